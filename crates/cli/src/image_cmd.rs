@@ -1,0 +1,114 @@
+//! `cordon image ...`
+
+use crate::progress::Bar;
+use crate::state::State;
+use anyhow::Result;
+use clap::Subcommand;
+use cordon_image::{BuildOptions, ImageError, Store};
+use std::path::PathBuf;
+
+#[derive(Subcommand)]
+pub enum ImageCmd {
+    /// Build an image from a built-in recipe (e.g. `base`); cached unless --rebuild.
+    Build {
+        name: String,
+        /// Build again even if the image exists.
+        #[arg(long)]
+        rebuild: bool,
+        /// Debian mirror to build from (default: CORDON_DEBIAN_MIRROR or Debian's).
+        #[arg(long)]
+        mirror: Option<String>,
+    },
+    /// Import a plain rootfs tarball (e.g. from `docker export`) as an image.
+    Import { name: String, tarball: PathBuf },
+    /// List images.
+    #[command(alias = "list")]
+    Ls {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove an image.
+    Rm { name: String },
+}
+
+/// Image errors that are the caller's to fix are usage errors (exit 2).
+pub fn image_error(e: ImageError) -> anyhow::Error {
+    match e {
+        ImageError::NotFound { .. } | ImageError::InvalidName { .. } | ImageError::UnknownRecipe { .. } => {
+            crate::usage(e.to_string())
+        }
+        e => e.into(),
+    }
+}
+
+pub fn main(state: &State, cmd: ImageCmd) -> Result<()> {
+    let store = state.images()?;
+    match cmd {
+        ImageCmd::Build { name, rebuild, mirror } => {
+            build(&store, &name, &BuildOptions { rebuild, mirror, ..Default::default() })?;
+        }
+        ImageCmd::Import { name, tarball } => {
+            if !tarball.is_file() {
+                return Err(crate::usage(format!("{} is not a file: give the path of a rootfs tarball", tarball.display())));
+            }
+            let mut bar = Bar::new(&format!("importing {name}"));
+            match store.import_tar(&name, &tarball, &mut bar) {
+                Ok(img) => bar.finish(&format!("imported ({})", cordon_spec::format_size(img.meta.size_bytes))),
+                Err(e) => {
+                    bar.abandon();
+                    return Err(image_error(e));
+                }
+            }
+        }
+        ImageCmd::Ls { json } => {
+            let images = store.list()?;
+            if json {
+                let v: Vec<_> = images.iter().map(|i| &i.meta).collect();
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                println!("{:<24} {:>10}  {:<12} SOURCE", "NAME", "SIZE", "USER");
+                for i in images {
+                    println!(
+                        "{:<24} {:>10}  {:<12} {}",
+                        i.name,
+                        cordon_spec::format_size(i.meta.size_bytes),
+                        i.meta.default_user,
+                        i.meta.source
+                    );
+                }
+            }
+        }
+        ImageCmd::Rm { name } => {
+            store.remove(&name).map_err(image_error)?;
+            eprintln!("removed image {name}");
+        }
+    }
+    Ok(())
+}
+
+/// Builds a recipe with a progress bar; returns quickly when the image is cached.
+pub fn build(store: &Store, name: &str, opts: &BuildOptions) -> Result<cordon_image::Image> {
+    if !opts.rebuild {
+        if let Ok(img) = store.get(name) {
+            eprintln!("image {name} is already built (cordon image build --rebuild {name} to build it again)");
+            return Ok(img);
+        }
+    }
+    let mut bar = Bar::new(&format!("building image {name}"));
+    let started = std::time::Instant::now();
+    match store.build(name, opts, &mut bar) {
+        Ok(img) => {
+            bar.finish(&format!(
+                "built in {:.0}s ({})",
+                started.elapsed().as_secs_f64(),
+                cordon_spec::format_size(img.meta.size_bytes)
+            ));
+            Ok(img)
+        }
+        Err(e) => {
+            bar.abandon();
+            Err(image_error(e))
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! `cordon`: self-hosted sandboxes for code that AI agents write.
+//!
+//! One static binary plays three roles, chosen before anything else runs:
+//! - `cordon-agent` (argv[0]): PID 1 inside a sandbox;
+//! - `cordon __jail`: the single-threaded jailer that builds one sandbox;
+//! - everything else: the command line.
+
+mod doctor;
+mod image_cmd;
+mod progress;
+mod run;
+mod state;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Self-hosted sandboxes for running code that AI agents write.
+#[derive(Parser)]
+#[command(name = "cordon", version, about, propagate_version = true)]
+struct Cli {
+    /// State directory: images, live sandboxes, keys.
+    #[arg(long, global = true, env = "CORDON_HOME", default_value = "/var/lib/cordon", value_name = "DIR")]
+    state_dir: PathBuf,
+    /// Log verbosity (also RUST_LOG).
+    #[arg(long, short, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one command in a fresh sandbox, then destroy it.
+    Run(run::RunArgs),
+    /// Build, import, list and remove images.
+    #[command(subcommand)]
+    Image(image_cmd::ImageCmd),
+    /// Check every kernel feature and tool cordon uses, and say how to fix what is missing.
+    Doctor,
+}
+
+/// An error the user caused (bad flag, unknown image): exit code 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+pub fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+fn main() -> ExitCode {
+    let mut args = std::env::args_os();
+    let argv0 = args.next().unwrap_or_default();
+    if std::path::Path::new(&argv0).file_name().is_some_and(|n| n == "cordon-agent") {
+        cordon_agent::main();
+    }
+    if args.next().is_some_and(|a| a == "__jail") {
+        cordon_jail::jailer::main();
+    }
+
+    let cli = Cli::parse();
+    init_tracing(cli.verbose);
+    let state = state::State::new(cli.state_dir);
+    let result = match cli.command {
+        Command::Run(a) => run::main(&state, a),
+        Command::Image(c) => image_cmd::main(&state, c).map(|()| 0),
+        Command::Doctor => doctor::main(&state),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            let code = if e.downcast_ref::<UsageError>().is_some() { 2 } else { 1 };
+            eprintln!("cordon: {}", one_line(&e));
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// The error and its causes on one line, without repeating a cause already in the message.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            out.push_str(": ");
+            out.push_str(&c);
+        }
+    }
+    out
+}
+
+fn init_tracing(verbose: u8) {
+    use tracing_subscriber::EnvFilter;
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).without_time().try_init();
+}

@@ -1,0 +1,439 @@
+//! `cordon run`: one command in a fresh sandbox, streamed live, then nothing left behind.
+
+use crate::state::State;
+use crate::usage;
+use anyhow::{Context, Result};
+use clap::Args;
+use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, SandboxSpec, Tier};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Image to run (see `cordon image ls`); `base` is built on first use.
+    #[arg(long, default_value = "base")]
+    image: String,
+    /// Isolation tier: ns, gvisor or vm.
+    #[arg(long, default_value = "ns")]
+    tier: String,
+    /// Memory cap, swap excluded (e.g. 512M, 2G).
+    #[arg(long, default_value = "512M")]
+    memory: String,
+    /// CPU quota in cores (fractional allowed).
+    #[arg(long, default_value_t = 1.0)]
+    cpus: f64,
+    /// Maximum number of processes and threads.
+    #[arg(long, default_value_t = 256)]
+    pids: u32,
+    /// Size of the writable layer over the image, and of /tmp (memory-backed).
+    #[arg(long, default_value = "1G")]
+    disk: String,
+    /// Open-file limit of every process.
+    #[arg(long, default_value_t = cordon_spec::DEFAULT_NOFILE)]
+    nofile: u64,
+    /// Wall-clock limit; the whole sandbox is killed when it passes (exit 124).
+    #[arg(long, default_value = "300s")]
+    timeout: String,
+    /// Environment variable for the command (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "KEY=VALUE")]
+    env: Vec<String>,
+    /// Working directory inside the sandbox (default: the user's home).
+    #[arg(long, short = 'w')]
+    workdir: Option<String>,
+    /// User inside the sandbox (`user` or `root`, or any user of the image).
+    #[arg(long, short = 'u', default_value = "user")]
+    user: String,
+    /// Copy a host file or directory in before the command starts (repeatable). Never mounted.
+    #[arg(long = "copy", value_name = "HOST:SANDBOX")]
+    copy: Vec<String>,
+    /// Print a final JSON record (exit code, reason, duration, peak memory) as the last line of stdout.
+    #[arg(long)]
+    json: bool,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+/// Why a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Exit,
+    Signal(i32),
+    Oom,
+    Timeout,
+    Interrupted,
+    SandboxDied,
+}
+
+impl Reason {
+    fn name(self) -> &'static str {
+        match self {
+            Reason::Exit => "exit",
+            Reason::Signal(9) => "killed",
+            Reason::Signal(_) => "signal",
+            Reason::Oom => "oom",
+            Reason::Timeout => "timeout",
+            Reason::Interrupted => "interrupted",
+            Reason::SandboxDied => "sandbox_died",
+        }
+    }
+}
+
+fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
+    let bad = |e: cordon_spec::SpecError, flag: &str| usage(format!("--{flag}: {}", e.reason));
+    let tier: Tier = a.tier.parse().map_err(|e| bad(e, "tier"))?;
+    let limits = Limits {
+        memory_bytes: parse_size(&a.memory).map_err(|e| bad(e, "memory"))?,
+        cpus: a.cpus,
+        pids: a.pids,
+        disk_bytes: parse_size(&a.disk).map_err(|e| bad(e, "disk"))?,
+        nofile: a.nofile,
+        timeout: parse_duration(&a.timeout).map_err(|e| bad(e, "timeout"))?,
+    };
+    let env = a.env.iter().map(|e| parse_env(e)).collect::<Result<Vec<_>, _>>().map_err(|e| bad(e, "env"))?;
+    let spec = SandboxSpec {
+        image: a.image.clone(),
+        tier,
+        limits,
+        env,
+        workdir: a.workdir.clone(),
+        user: a.user.clone(),
+    };
+    spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
+    Ok(spec)
+}
+
+/// A `--copy` pair, checked before any sandbox exists.
+struct Copy {
+    host: PathBuf,
+    sandbox: String,
+}
+
+fn parse_copy(s: &str) -> Result<Copy> {
+    let (host, sandbox) = s
+        .rsplit_once(':')
+        .filter(|(h, s)| !h.is_empty() && !s.is_empty())
+        .ok_or_else(|| usage(format!("--copy {s}: use HOST_PATH:SANDBOX_PATH")))?;
+    let host = PathBuf::from(host);
+    if !host.exists() {
+        return Err(usage(format!("--copy {s}: {} does not exist on the host", host.display())));
+    }
+    Ok(Copy { host, sandbox: sandbox.to_string() })
+}
+
+pub fn main(state: &State, a: RunArgs) -> Result<u8> {
+    let spec = spec_from(&a)?;
+    let copies = a.copy.iter().map(|c| parse_copy(c)).collect::<Result<Vec<_>>>()?;
+    match spec.tier {
+        Tier::Ns => {}
+        t => {
+            return Err(usage(format!(
+                "tier '{t}' cannot run on this host: this build of cordon has no {t} backend yet; use --tier ns (see `cordon doctor`)"
+            )))
+        }
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(usage("the ns tier needs root (it creates cgroups and idmapped mounts): run cordon as root"));
+    }
+
+    let store = state.images()?;
+    let image = match store.get(&spec.image) {
+        Ok(img) => img,
+        Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&spec.image.as_str()) => {
+            crate::image_cmd::build(&store, &spec.image, &Default::default())?
+        }
+        Err(e) => return Err(crate::image_cmd::image_error(e)),
+    };
+
+    cordon_jail::become_subreaper();
+    let jail = state.jail()?;
+    let id = cordon_jail::new_id();
+    let mut env = image.meta.env.clone();
+    for (k, v) in &spec.env {
+        env.retain(|(ek, _)| ek != k);
+        env.push((k.clone(), v.clone()));
+    }
+    let agent_cfg = cordon_agent::AgentConfig {
+        sandbox_id: id.clone(),
+        default_user: spec.user.clone(),
+        workdir: spec.workdir.clone(),
+        env,
+        root: PathBuf::from("/"),
+        envd_version: None,
+    };
+    let started = Instant::now();
+    let mut sandbox = jail
+        .create(&cordon_jail::SandboxConfig {
+            id: id.clone(),
+            rootfs: image.rootfs.clone(),
+            limits: spec.limits.clone(),
+            agent_env: vec![("CORDON_AGENT_CONFIG".into(), serde_json::to_string(&agent_cfg)?)],
+        })
+        .context("create sandbox")?;
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let outcome = rt.block_on(drive(&sandbox, &spec, &a.command, &copies));
+    let oom = sandbox.oom_kills() > 0;
+    let peak = sandbox.peak_memory();
+    let teardown = sandbox.destroy();
+    let duration = started.elapsed();
+
+    let (code, reason) = match outcome {
+        Ok(Ended::Exited(code)) => (code, Reason::Exit),
+        Ok(Ended::Signaled(9)) if oom => (137, Reason::Oom),
+        Ok(Ended::Signaled(sig)) => (128 + sig, Reason::Signal(sig)),
+        Ok(Ended::Timeout) => (124, Reason::Timeout),
+        Ok(Ended::Interrupted(sig)) => (128 + sig, Reason::Interrupted),
+        Ok(Ended::Died) if oom => (137, Reason::Oom),
+        Ok(Ended::Died) => (137, Reason::SandboxDied),
+        Err(e) => {
+            teardown?;
+            return Err(e);
+        }
+    };
+    match reason {
+        Reason::Oom => eprintln!("cordon: out of memory (limit {})", format_size(spec.limits.memory_bytes)),
+        Reason::Timeout => eprintln!("cordon: timed out after {} (limit --timeout {})", secs(spec.limits.timeout), a.timeout),
+        Reason::Signal(9) => eprintln!("cordon: command killed (SIGKILL)"),
+        Reason::Interrupted => eprintln!("cordon: interrupted; sandbox destroyed"),
+        Reason::SandboxDied => eprintln!("cordon: the sandbox died unexpectedly"),
+        _ => {}
+    }
+    if let Err(e) = teardown {
+        eprintln!("cordon: warning: teardown: {e}");
+    }
+    if a.json {
+        let rec = serde_json::json!({
+            "sandbox_id": id,
+            "exit_code": code,
+            "reason": reason.name(),
+            "duration_ms": duration.as_secs_f64() * 1000.0,
+            "peak_memory_bytes": peak,
+            "oom_killed": oom,
+        });
+        println!("{rec}");
+    }
+    Ok(code.clamp(0, 255) as u8)
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.1}s", d.as_secs_f64())
+}
+
+#[derive(Debug)]
+enum Ended {
+    Exited(i32),
+    Signaled(i32),
+    Timeout,
+    Interrupted(i32),
+    Died,
+}
+
+async fn drive(sandbox: &cordon_jail::Sandbox, spec: &SandboxSpec, cmd: &[String], copies: &[Copy]) -> Result<Ended> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let deadline = tokio::time::sleep(spec.limits.timeout);
+    tokio::pin!(deadline);
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let died = async {
+        match sandbox.pidfd() {
+            Some(fd) => {
+                let owned = fd.try_clone_to_owned()?;
+                // SAFETY: `owned` is a pidfd this AsyncFd owns outright, so it stays open and
+                // refers to the same process for the AsyncFd's whole life.
+                let afd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }
+                    .map_err(|e| e.into_parts().1)?;
+                let _ = afd.readable().await?;
+                Ok::<_, std::io::Error>(())
+            }
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(died);
+    let work = run_command(sandbox.socket_path(), spec, cmd, copies);
+    tokio::pin!(work);
+    let ended = tokio::select! {
+        r = &mut work => r?,
+        _ = &mut deadline => Ended::Timeout,
+        _ = sigint.recv() => Ended::Interrupted(libc::SIGINT),
+        _ = sigterm.recv() => Ended::Interrupted(libc::SIGTERM),
+        _ = &mut died => {
+            // The stream may still hold the end event: give it a moment to finish first.
+            match tokio::time::timeout(Duration::from_millis(200), &mut work).await {
+                Ok(Ok(e)) => e,
+                _ => Ended::Died,
+            }
+        }
+    };
+    if !matches!(ended, Ended::Exited(_) | Ended::Signaled(_)) {
+        sandbox.kill();
+    }
+    Ok(ended)
+}
+
+async fn run_command(socket: &Path, spec: &SandboxSpec, cmd: &[String], copies: &[Copy]) -> Result<Ended> {
+    use cordon_envd::process::{DataEvent, ProcessConfig, ProcessEvent, StartRequest};
+    let client = cordon_envd::EnvdClient::new(socket.to_path_buf());
+    let user = Some(spec.user.as_str());
+    for c in copies {
+        copy_in(&client, &c.host, &c.sandbox, user).await?;
+    }
+    let req = StartRequest {
+        process: Some(ProcessConfig {
+            cmd: cmd[0].clone(),
+            args: cmd[1..].to_vec(),
+            envs: Default::default(),
+            cwd: spec.workdir.clone(),
+        }),
+        pty: None,
+        tag: None,
+        stdin: Some(true),
+    };
+    let mut stream = match client.start(req, user, None).await {
+        Ok(s) => s,
+        Err(e) => return Err(start_error(e, spec)),
+    };
+    let mut stdin_task: Option<tokio::task::JoinHandle<()>> = None;
+    let result = loop {
+        let Some(ev) = stream.next().await else { break Ended::Died };
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                tracing::debug!("event stream broke: {e}");
+                break Ended::Died;
+            }
+        };
+        match ev {
+            ProcessEvent::Start(s) => {
+                let client = client.clone();
+                stdin_task = Some(tokio::spawn(forward_stdin(client, s.pid)));
+            }
+            ProcessEvent::Data(DataEvent::Stdout(b)) => write_out(&mut std::io::stdout().lock(), &b),
+            ProcessEvent::Data(DataEvent::Stderr(b)) => write_out(&mut std::io::stderr().lock(), &b),
+            ProcessEvent::Data(DataEvent::Pty(b)) => write_out(&mut std::io::stdout().lock(), &b),
+            ProcessEvent::Keepalive(_) => {}
+            ProcessEvent::End(end) => {
+                break match signal_of(&end.status) {
+                    Some(sig) if !end.exited => Ended::Signaled(sig),
+                    _ => Ended::Exited(end.exit_code),
+                }
+            }
+        }
+    };
+    if let Some(t) = stdin_task {
+        t.abort();
+    }
+    Ok(result)
+}
+
+fn start_error(e: cordon_envd::Error, spec: &SandboxSpec) -> anyhow::Error {
+    let msg = e.to_string();
+    if msg.contains("unauthenticated") || msg.contains("user") && msg.contains("not found") {
+        return usage(format!("--user {}: no such user in image {}", spec.user, spec.image));
+    }
+    if msg.contains("cwd") {
+        return usage(format!("--workdir: {msg}"));
+    }
+    if msg.contains("No such file") || msg.contains("not found") {
+        return usage(format!("command not found in image {}: {msg}", spec.image));
+    }
+    anyhow::anyhow!("start command: {msg}")
+}
+
+fn write_out(w: &mut dyn Write, b: &[u8]) {
+    // A closed stdout (e.g. piped into `head`) must not abort the run: the sandbox still has to
+    // be torn down properly.
+    let _ = w.write_all(b);
+    let _ = w.flush();
+}
+
+async fn forward_stdin(client: cordon_envd::EnvdClient, pid: u32) {
+    use tokio::io::AsyncReadExt;
+    let mut stdin = tokio::io::stdin();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match stdin.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if client.send_input(pid, &buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    let _ = client.close_stdin(pid).await;
+}
+
+/// Go's names for the signals a process commonly dies of, as envd reports them.
+fn signal_of(status: &str) -> Option<i32> {
+    let name = status.strip_prefix("signal: ")?;
+    let name = name.trim_end_matches(" (core dumped)");
+    Some(match name {
+        "hangup" => 1,
+        "interrupt" => 2,
+        "quit" => 3,
+        "illegal instruction" => 4,
+        "trace/breakpoint trap" => 5,
+        "aborted" => 6,
+        "bus error" => 7,
+        "floating point exception" => 8,
+        "killed" => 9,
+        "user defined signal 1" => 10,
+        "segmentation fault" => 11,
+        "user defined signal 2" => 12,
+        "broken pipe" => 13,
+        "alarm clock" => 14,
+        "terminated" => 15,
+        other => other.strip_prefix("signal ").and_then(|n| n.parse().ok())?,
+    })
+}
+
+/// Copies a host file or directory tree in through the agent's file API, file by file.
+async fn copy_in(client: &cordon_envd::EnvdClient, host: &Path, dest: &str, user: Option<&str>) -> Result<()> {
+    let meta = std::fs::metadata(host).with_context(|| format!("--copy: read {}", host.display()))?;
+    if meta.is_file() {
+        let data = std::fs::read(host).with_context(|| format!("--copy: read {}", host.display()))?;
+        client
+            .upload_file(dest, user, data.into())
+            .await
+            .with_context(|| format!("--copy: write {dest} in the sandbox"))?;
+        return Ok(());
+    }
+    let mut stack = vec![(host.to_path_buf(), dest.trim_end_matches('/').to_string())];
+    while let Some((dir, target)) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).with_context(|| format!("--copy: list {}", dir.display()))? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let t = format!("{target}/{name}");
+            let ft = entry.file_type()?;
+            if ft.is_dir() {
+                stack.push((entry.path(), t));
+            } else if ft.is_file() {
+                let data = std::fs::read(entry.path())?;
+                client.upload_file(&t, user, data.into()).await.with_context(|| format!("--copy: write {t}"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_from_go_status_strings() {
+        assert_eq!(signal_of("signal: killed"), Some(9));
+        assert_eq!(signal_of("signal: segmentation fault (core dumped)"), Some(11));
+        assert_eq!(signal_of("exit status 1"), None);
+    }
+
+    #[test]
+    fn copy_pairs() {
+        assert!(parse_copy("/etc/hostname:/home/user/h").is_ok());
+        assert!(parse_copy("nocolon").is_err());
+        assert!(parse_copy("/definitely/not/here:/x").is_err());
+    }
+}

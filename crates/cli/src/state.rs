@@ -1,0 +1,47 @@
+//! The state directory and the stores in it.
+
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+
+pub struct State {
+    dir: PathBuf,
+}
+
+impl State {
+    pub fn new(dir: PathBuf) -> State {
+        State { dir }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Creates the directory on first use. It holds images and sandbox state, so only root may
+    /// enter it.
+    pub fn ensure(&self) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        if !self.dir.exists() {
+            std::fs::create_dir_all(&self.dir)
+                .with_context(|| format!("cannot create state dir {}: choose another with --state-dir or CORDON_HOME", self.dir.display()))?;
+            std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o711))?;
+        }
+        // Overlay mount options cannot carry these characters in paths.
+        let s = self.dir.to_string_lossy();
+        if s.contains([',', ':', '\\']) {
+            return Err(crate::usage(format!("state dir {s} must not contain ',', ':' or '\\'")));
+        }
+        Ok(())
+    }
+
+    pub fn images(&self) -> Result<cordon_image::Store> {
+        self.ensure()?;
+        Ok(cordon_image::Store::open(&self.dir)?)
+    }
+
+    pub fn jail(&self) -> Result<cordon_jail::Jail> {
+        self.ensure()?;
+        // /proc/self/exe stays valid even if the binary on disk is replaced while we run.
+        let exe = PathBuf::from("/proc/self/exe");
+        Ok(cordon_jail::Jail::open(&self.dir, exe)?)
+    }
+}

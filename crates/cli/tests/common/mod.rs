@@ -1,0 +1,188 @@
+//! Shared helpers for the integration tests: they drive the real `cordon` binary against real
+//! namespaces and cgroups, and inspect the host afterwards.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Once;
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Skips the calling test, with a printed reason, when not running as root.
+#[macro_export]
+macro_rules! require_root {
+    () => {
+        if !common::is_root() {
+            eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
+            return;
+        }
+    };
+}
+
+/// The state dir the tests use. Shared with the default so that the image built once by the
+/// quick start or a previous run is reused.
+pub fn state_dir() -> PathBuf {
+    std::env::var_os("CORDON_TEST_HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/var/lib/cordon"))
+}
+
+pub fn cordon() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cordon"));
+    c.env("CORDON_HOME", state_dir()).env_remove("RUST_LOG");
+    c
+}
+
+static BASE: Once = Once::new();
+
+/// Builds the default image once per test binary (the store serialises concurrent builds).
+pub fn ensure_base() {
+    BASE.call_once(|| {
+        let out = cordon().args(["image", "build", "base"]).stderr(Stdio::inherit()).output().expect("run cordon");
+        assert!(out.status.success(), "building base failed");
+    });
+}
+
+#[derive(Debug)]
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub record: Value,
+}
+
+impl Run {
+    pub fn reason(&self) -> &str {
+        self.record["reason"].as_str().unwrap_or("")
+    }
+
+    pub fn id(&self) -> &str {
+        self.record["sandbox_id"].as_str().unwrap_or("")
+    }
+}
+
+fn parse(out: Output) -> Run {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let (body, last) = match stdout.trim_end_matches('\n').rsplit_once('\n') {
+        Some((b, l)) => (format!("{b}\n"), l.to_string()),
+        None => (String::new(), stdout.trim_end().to_string()),
+    };
+    let record: Value = serde_json::from_str(&last).unwrap_or(Value::Null);
+    let stdout = if record.is_null() { stdout } else { body };
+    Run { code: out.status.code().unwrap_or(-1), stdout, stderr, record }
+}
+
+/// `cordon run --json <flags> -- <cmd>`; the JSON record is split off stdout.
+pub fn run(flags: &[&str], cmd: &[&str]) -> Run {
+    ensure_base();
+    let out = cordon()
+        .arg("run")
+        .arg("--json")
+        .args(flags)
+        .arg("--")
+        .args(cmd)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run cordon");
+    parse(out)
+}
+
+/// Runs a shell script in the sandbox.
+pub fn sh(flags: &[&str], script: &str) -> Run {
+    run(flags, &["bash", "-c", script])
+}
+
+pub fn run_with_stdin(flags: &[&str], cmd: &[&str], input: &[u8]) -> Run {
+    use std::io::Write;
+    ensure_base();
+    let mut child = cordon()
+        .arg("run")
+        .arg("--json")
+        .args(flags)
+        .arg("--")
+        .args(cmd)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn cordon");
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    parse(child.wait_with_output().unwrap())
+}
+
+/// Asserts that nothing of sandbox `id` remains: no mount, no cgroup, no state, no process.
+pub fn assert_clean(id: &str) {
+    assert!(!id.is_empty(), "no sandbox id to check");
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(!mounts.contains(id), "a mount of {id} remains:\n{mounts}");
+    for entry in std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten() {
+        let cg = entry.path().join("cordon").join(id);
+        assert!(!cg.exists(), "cgroup {} remains", cg.display());
+    }
+    let run_dir = state_dir().join("run").join(id);
+    assert!(!run_dir.exists(), "state {} remains", run_dir.display());
+    for (pid, cgroup) in host_processes().into_iter().map(|p| (p, std::fs::read_to_string(format!("/proc/{p}/cgroup")).unwrap_or_default())) {
+        assert!(!cgroup.contains(id), "process {pid} of sandbox {id} remains");
+    }
+}
+
+pub fn host_processes() -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
+        .collect()
+}
+
+/// Host pids whose command line contains `marker`, with their real uid.
+pub fn host_processes_with(marker: &str) -> Vec<(u32, u32)> {
+    host_processes()
+        .into_iter()
+        .filter_map(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if !cmd.contains(marker) || cmd.contains("cordon") {
+                return None;
+            }
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let uid = status.lines().find(|l| l.starts_with("Uid:"))?.split_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, uid))
+        })
+        .collect()
+}
+
+/// A random token, so that concurrent tests never collide on names.
+pub fn token() -> String {
+    let mut b = [0u8; 8];
+    getrandom(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn getrandom(buf: &mut [u8]) {
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom").unwrap().read_exact(buf).unwrap();
+}
+
+pub fn free_bytes(path: &Path) -> u64 {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: zeroed statvfs is a valid output buffer.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid path and output pointer.
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut s) }, 0);
+    s.f_bavail * s.f_frsize
+}
+
+/// Waits (bounded) until `f` holds.
+pub fn wait_until(timeout: std::time::Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < timeout {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    f()
+}

@@ -1,0 +1,175 @@
+//! Attacks from inside a real sandbox: each test tries an escape or a peek at the host and
+//! checks both that it failed and that the host is untouched.
+
+mod common;
+
+use common::*;
+use std::net::TcpListener;
+use std::time::Duration;
+
+#[test]
+fn host_secrets_are_neither_readable_nor_findable() {
+    require_root!();
+    let t = token();
+    let secret = format!("s3cret-{t}");
+    let paths = [format!("/root/cordon-secret-{t}"), format!("/etc/cordon-secret-{t}"), format!("/home/cordon-secret-{t}")];
+    for p in &paths {
+        std::fs::write(p, &secret).unwrap();
+    }
+    let script = format!(
+        "for p in {}; do cat $p 2>/dev/null && echo LEAK; done; \
+         find / -xdev -name 'cordon-secret-{t}*' 2>/dev/null; \
+         grep -rs '{secret}' /etc /root /home /tmp /var 2>/dev/null; echo done",
+        paths.join(" ")
+    );
+    let r = sh(&["--user", "root"], &script);
+    for p in &paths {
+        let _ = std::fs::remove_file(p);
+    }
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(r.stdout.trim_end().ends_with("done"), "{r:?}");
+    assert!(!r.stdout.contains("LEAK") && !r.stdout.contains(&secret) && !r.stdout.contains("cordon-secret"), "{r:?}");
+    assert_clean(r.id());
+}
+
+#[test]
+fn nothing_of_the_host_is_mounted_and_no_host_env_leaks() {
+    require_root!();
+    let r = cordon()
+        .env("CORDON_TEST_LEAK", "leaked-value")
+        .args(["run", "--json", "--user", "root", "--", "bash", "-c", "cat /proc/mounts; echo ===; env; echo ===; ls /sys | wc -l"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{out}");
+    let mut parts = out.split("===\n");
+    let mounts = parts.next().unwrap();
+    let env = parts.next().unwrap();
+    let sys_entries = parts.next().unwrap();
+    for line in mounts.lines() {
+        let fstype = line.split_whitespace().nth(2).unwrap_or("");
+        let allowed = ["overlay", "proc", "tmpfs", "devpts", "devtmpfs"];
+        assert!(allowed.contains(&fstype), "unexpected mount inside: {line}");
+        if fstype == "devtmpfs" {
+            let target = line.split_whitespace().nth(1).unwrap();
+            let dev = target.trim_start_matches("/dev/");
+            assert!(["null", "zero", "full", "random", "urandom", "tty"].contains(&dev), "host device bound: {line}");
+        }
+    }
+    assert!(!env.contains("CORDON_TEST_LEAK") && !env.contains("leaked-value"), "host env leaked:\n{env}");
+    assert!(!env.contains("CORDON_AGENT"), "agent config leaked into the command env:\n{env}");
+    assert_eq!(sys_entries.trim(), "0", "host /sys is visible");
+}
+
+#[test]
+fn writes_to_root_vanish_after_the_run() {
+    require_root!();
+    let t = token();
+    let r = sh(&["--user", "root"], &format!("echo x > /marker-{t} && echo x > /etc/marker-{t} && ls /marker-{t}"));
+    assert_eq!(r.code, 0, "{r:?}");
+    let image = state_dir().join("images/base/rootfs");
+    assert!(!image.join(format!("marker-{t}")).exists(), "the write reached the image");
+    let r2 = sh(&["--user", "root"], &format!("test ! -e /marker-{t} && test ! -e /etc/marker-{t}"));
+    assert_eq!(r2.code, 0, "a write survived into the next sandbox: {r2:?}");
+    assert_clean(r.id());
+    assert_clean(r2.id());
+}
+
+#[test]
+fn the_image_cannot_be_modified_from_inside() {
+    require_root!();
+    // Even root of the sandbox writes only to its own layer; the shared image stays as it was.
+    let before = std::fs::read(state_dir().join("images/base/rootfs/etc/passwd")).unwrap();
+    let r = sh(&["--user", "root"], "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd && rm -rf /usr/bin/python3* && echo ok");
+    assert_eq!(r.code, 0, "{r:?}");
+    let after = std::fs::read(state_dir().join("images/base/rootfs/etc/passwd")).unwrap();
+    assert_eq!(before, after);
+    assert!(state_dir().join("images/base/rootfs/usr/bin/python3").exists());
+}
+
+#[test]
+fn no_network_to_the_internet_or_the_hosts_loopback() {
+    require_root!();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let script = format!(
+        r#"
+import socket
+for host, port in [("1.1.1.1", 53), ("1.1.1.1", 443), ("127.0.0.1", {port}), ("10.0.2.2", 80)]:
+    s = socket.socket()
+    s.settimeout(2)
+    try:
+        s.connect((host, port))
+        print("CONNECTED", host, port)
+    except OSError as e:
+        print("blocked", host, port, e.errno)
+try:
+    socket.getaddrinfo("pypi.org", 443)
+    print("RESOLVED")
+except OSError:
+    print("no dns")
+print(open("/proc/net/dev").read())
+"#
+    );
+    let r = run(&[], &["python3", "-c", &script]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(!r.stdout.contains("CONNECTED") && !r.stdout.contains("RESOLVED"), "{r:?}");
+    assert_eq!(r.stdout.matches("blocked").count(), 4, "{r:?}");
+    let ifaces: Vec<&str> = r.stdout.lines().filter(|l| l.contains(':') && l.contains("  ")).collect();
+    assert!(ifaces.iter().all(|l| l.trim_start().starts_with("lo:")), "interfaces other than lo: {ifaces:?}");
+    assert!(listener.accept().is_err(), "the host listener got a connection from the sandbox");
+    assert_clean(r.id());
+}
+
+#[test]
+fn sandbox_processes_run_as_unprivileged_host_uids() {
+    require_root!();
+    let marker = format!("{}.{}", 100 + (std::process::id() % 100), 7);
+    let mut child = cordon()
+        .args(["run", "--user", "root", "--", "bash", "-c", &format!("sleep {marker} & sleep {marker}; wait")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    ensure_base();
+    let found = wait_until(Duration::from_secs(20), || host_processes_with(&format!("sleep {marker}")).len() >= 2);
+    let procs = host_processes_with(&format!("sleep {marker}"));
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(found, "sandbox processes not seen on the host");
+    for (pid, uid) in procs {
+        assert!(uid >= 1_000_000_000, "process {pid} of sandbox root runs as host uid {uid}");
+    }
+}
+
+#[test]
+fn concurrent_sandboxes_cannot_see_each_other() {
+    require_root!();
+    let t = token();
+    let marker = format!("{}.{}", 200 + (std::process::id() % 100), 3);
+    let mut a = cordon()
+        .args(["run", "--", "bash", "-c", &format!("echo {t} > /tmp/mark-{t}; echo {t} > /home/user/mark-{t}; exec sleep {marker}")])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    ensure_base();
+    assert!(wait_until(Duration::from_secs(20), || !host_processes_with(&format!("sleep {marker}")).is_empty()));
+    let (a_pid, a_uid) = host_processes_with(&format!("sleep {marker}"))[0];
+    let r = sh(
+        &["--user", "root"],
+        &format!(
+            "ps -eo pid,args; echo ===; id -u; cat /proc/{a_pid}/cmdline 2>&1; find / -xdev -name 'mark-{t}' 2>/dev/null; kill -9 {a_pid} 2>&1; echo end"
+        ),
+    );
+    let a_alive = host_processes_with(&format!("sleep {marker}")).iter().any(|(p, _)| *p == a_pid);
+    let _ = a.kill();
+    let _ = a.wait();
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(!r.stdout.contains(&format!("sleep {marker}")), "B sees A's process: {r:?}");
+    assert!(!r.stdout.contains(&format!("mark-{t}")), "B sees A's files: {r:?}");
+    assert!(a_alive, "B could kill A's process");
+    // Distinct uid ranges: B's root is not A's user.
+    let b_procs_uid_base = a_uid - 1000;
+    assert_ne!(b_procs_uid_base, 0);
+}

@@ -1,0 +1,236 @@
+//! `cordon run` as a user sees it: exit codes, streams, flags, teardown in every way a run can
+//! end, and clear errors for bad input.
+
+mod common;
+
+use common::*;
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+#[test]
+fn prints_and_exits_with_the_command_status() {
+    require_root!();
+    let r = run(&[], &["python3", "-c", "print(6*7)"]);
+    assert_eq!((r.code, r.stdout.as_str()), (0, "42\n"), "{r:?}");
+    assert_eq!(r.reason(), "exit");
+    let r = sh(&[], "echo out; echo err >&2; exit 7");
+    assert_eq!(r.code, 7);
+    assert_eq!(r.stdout, "out\n");
+    assert!(r.stderr.contains("err"));
+    assert_clean(r.id());
+}
+
+#[test]
+fn default_user_is_user_with_sudo_and_root_is_allowed() {
+    require_root!();
+    let r = sh(&[], "id -un; id -u; pwd; echo $HOME; sudo -n id -u");
+    assert_eq!(r.stdout, "user\n1000\n/home/user\n/home/user\n0\n", "{r:?}");
+    let r = sh(&["--user", "root"], "id -u");
+    assert_eq!(r.stdout, "0\n");
+    let r = sh(&["--user", "nobody-here"], "id -u");
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("no such user"), "{r:?}");
+}
+
+#[test]
+fn env_and_workdir_flags() {
+    require_root!();
+    let r = sh(&["--env", "FOO=bar baz", "-e", "N=1", "--workdir", "/tmp"], "echo \"$FOO/$N\"; pwd");
+    assert_eq!(r.stdout, "bar baz/1\n/tmp\n", "{r:?}");
+}
+
+#[test]
+fn stdin_passes_through() {
+    require_root!();
+    let r = run_with_stdin(&[], &["python3", "-c", "import sys; d=sys.stdin.read(); print(len(d), d.upper())"], b"hello\nworld");
+    assert_eq!(r.stdout, "11 HELLO\nWORLD\n", "{r:?}");
+}
+
+#[test]
+fn output_streams_live() {
+    require_root!();
+    ensure_base();
+    let mut child = cordon()
+        .args(["run", "--", "bash", "-c", "echo first; sleep 3; echo second"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "first");
+    assert!(t.elapsed() < Duration::from_millis(2500), "first line arrived after {:?}", t.elapsed());
+    assert_eq!(lines.next().unwrap().unwrap(), "second");
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn copy_puts_files_in_before_start() {
+    require_root!();
+    let t = token();
+    let dir = std::env::temp_dir().join(format!("cordon-copy-{t}"));
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    std::fs::write(dir.join("a.txt"), "alpha").unwrap();
+    std::fs::write(dir.join("sub/b.txt"), "beta").unwrap();
+    let file = dir.join("a.txt");
+    let r = sh(
+        &["--copy", &format!("{}:/home/user/one.txt", file.display()), "--copy", &format!("{}:/home/user/tree", dir.display())],
+        "cat one.txt; echo; cat tree/a.txt tree/sub/b.txt; echo; stat -c %U one.txt",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(r.stdout, "alpha\nalphabeta\nuser\n", "{r:?}");
+}
+
+#[test]
+fn background_processes_do_not_outlive_the_run() {
+    require_root!();
+    let marker = format!("{}.{}", 300 + (std::process::id() % 100), 9);
+    let r = sh(&[], &format!("(sleep {marker} &) ; nohup sleep {marker} >/dev/null 2>&1 & echo started"));
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(host_processes_with(&format!("sleep {marker}")).is_empty(), "background process survived");
+    assert_clean(r.id());
+}
+
+#[test]
+fn ctrl_c_tears_everything_down() {
+    require_root!();
+    ensure_base();
+    let marker = format!("{}.{}", 400 + (std::process::id() % 100), 1);
+    let mut child = cordon()
+        .args(["run", "--json", "--", "bash", "-c", &format!("sleep {marker} & sleep {marker}")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(20), || host_processes_with(&format!("sleep {marker}")).len() >= 2));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130));
+    let rec: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim().lines().last().unwrap()).unwrap();
+    assert_eq!(rec["reason"], "interrupted");
+    assert!(host_processes_with(&format!("sleep {marker}")).is_empty());
+    assert_clean(rec["sandbox_id"].as_str().unwrap());
+}
+
+#[test]
+fn a_killed_cordon_is_reaped_by_the_next_one() {
+    require_root!();
+    ensure_base();
+    let marker = format!("{}.{}", 500 + (std::process::id() % 100), 5);
+    let mut child = cordon()
+        .args(["run", "--", "bash", "-c", &format!("sleep {marker}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(20), || !host_processes_with(&format!("sleep {marker}")).is_empty()));
+    child.kill().unwrap(); // SIGKILL: no teardown code runs
+    child.wait().unwrap();
+    let orphan = host_processes_with(&format!("sleep {marker}"));
+    assert!(!orphan.is_empty(), "expected the orphaned sandbox to still be running");
+    let cg = std::fs::read_to_string(format!("/proc/{}/cgroup", orphan[0].0)).unwrap();
+    let id = cg
+        .lines()
+        .find_map(|l| l.split("/cordon/").nth(1))
+        .map(|s| s.trim().to_string())
+        .expect("the orphan is in a cordon cgroup");
+    // The next invocation reaps it.
+    let r = run(&[], &["true"]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(
+        wait_until(Duration::from_secs(5), || host_processes_with(&format!("sleep {marker}")).is_empty()),
+        "orphan not reaped"
+    );
+    assert_clean(&id);
+}
+
+#[test]
+fn bad_input_gets_one_line_and_exit_2() {
+    require_root!();
+    let cases: &[&[&str]] = &[
+        &["run", "--image", "no-such-image", "--", "true"],
+        &["run", "--memory", "12XB", "--", "true"],
+        &["run"],
+        &["run", "--tier", "gvisor", "--", "true"],
+        &["run", "--tier", "warp", "--", "true"],
+        &["run", "--cpus", "lots", "--", "true"],
+        &["run", "--env", "NOEQUALS", "--", "true"],
+        &["run", "--timeout", "soon", "--", "true"],
+        &["run", "--workdir", "relative", "--", "true"],
+        &["run", "--copy", "/no/such/file:/x", "--", "true"],
+        &["image", "rm", "no-such-image"],
+        &["image", "build", "no-such-recipe"],
+    ];
+    for args in cases {
+        let out = cordon().args(*args).stdin(Stdio::null()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: not one line:\n{err}");
+        assert!(err.starts_with("cordon: "), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn image_commands() {
+    require_root!();
+    ensure_base();
+    let ls = cordon().args(["image", "ls"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&ls.stdout).lines().any(|l| l.starts_with("base ")));
+    // A second build is a cache hit.
+    let t = Instant::now();
+    let b = cordon().args(["image", "build", "base"]).output().unwrap();
+    assert!(b.status.success());
+    assert!(t.elapsed() < Duration::from_secs(3));
+    assert!(String::from_utf8_lossy(&b.stderr).contains("already built"));
+}
+
+#[test]
+fn import_a_rootfs_tarball_and_run_it() {
+    require_root!();
+    let t = token();
+    // A tiny rootfs made of the host's own dash and its libraries.
+    let root = std::env::temp_dir().join(format!("cordon-mini-{t}"));
+    for d in ["bin", "etc", "tmp"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    let dash = "/bin/dash";
+    std::fs::copy(dash, root.join("bin/sh")).unwrap();
+    let ldd = std::process::Command::new("ldd").arg(dash).output().unwrap();
+    for lib in String::from_utf8_lossy(&ldd.stdout).split_whitespace().filter(|w| w.starts_with('/')) {
+        let dest = root.join(lib.trim_start_matches('/'));
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        std::fs::copy(lib, dest).unwrap();
+    }
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/:/bin/sh\n").unwrap();
+    std::fs::write(root.join("etc/message"), format!("hello-{t}\n")).unwrap();
+    let tarball = std::env::temp_dir().join(format!("cordon-mini-{t}.tar"));
+    assert!(std::process::Command::new("tar").arg("-C").arg(&root).arg("-cf").arg(&tarball).arg(".").status().unwrap().success());
+    let name = format!("mini-{t}");
+    let imp = cordon().args(["image", "import", &name]).arg(&tarball).output().unwrap();
+    assert!(imp.status.success(), "{}", String::from_utf8_lossy(&imp.stderr));
+    let out = cordon()
+        .args(["run", "--image", &name, "--user", "root", "--", "/bin/sh", "-c", "read m < /etc/message; echo $m"])
+        .output()
+        .unwrap();
+    let rm = cordon().args(["image", "rm", &name]).output().unwrap();
+    let _ = std::fs::remove_dir_all(&root);
+    let _ = std::fs::remove_file(&tarball);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("hello-{t}\n"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(rm.status.success());
+    assert!(!state_dir().join("images").join(&name).exists());
+}
+
+#[test]
+fn doctor_reports_every_feature() {
+    let out = cordon().arg("doctor").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for item in ["user namespaces", "overlayfs", "cgroups", "seccomp", "landlock", "kvm", "runsc", "qemu", "tier ns"] {
+        assert!(text.contains(item), "doctor does not mention {item}:\n{text}");
+    }
+    if is_root() {
+        assert!(out.status.success(), "doctor found something missing on a CI machine:\n{text}");
+        assert!(text.contains("tier ns      available"), "{text}");
+    }
+}

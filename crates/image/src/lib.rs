@@ -1,0 +1,640 @@
+//! Image store for cordon sandboxes.
+//!
+//! Images live under `<state>/images/<name>/`: `rootfs/` is the root
+//! filesystem tree and `image.json` its [`ImageMeta`]. An image directory
+//! only ever appears by an atomic rename of a finished staging directory
+//! (`<state>/images/.staging-<name>-<pid>`), so a crashed build or import
+//! never leaves something that looks like a valid image; leftover staging
+//! directories are deleted by the next build, import or removal of the same
+//! name. Operations on one name serialize on an flock of
+//! `<state>/images/.lock-<name>`.
+//!
+//! Once in place a rootfs is never written again: sandboxes see it only
+//! read-only, below an overlay.
+
+mod build;
+mod error;
+mod fsutil;
+mod import;
+mod recipe;
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+pub use error::ImageError;
+
+use build::{BuildLog, Stages};
+
+/// Name of the metadata file inside an image directory.
+const META_FILE: &str = "image.json";
+/// Name of the root filesystem directory inside an image directory.
+const ROOTFS_DIR: &str = "rootfs";
+const STAGING_PREFIX: &str = ".staging-";
+
+/// Receives progress of long operations (build, import), e.g. to draw a bar
+/// with the current stage and the latest output line.
+pub trait Progress {
+    /// A new stage starts: `index` counts from 0 up to `total - 1`, in order,
+    /// and stages may be skipped but are never repeated.
+    fn stage(&mut self, index: usize, total: usize, name: &str);
+    /// One line of output or an informational message.
+    fn line(&mut self, text: &str);
+}
+
+/// A [`Progress`] that ignores everything.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoProgress;
+
+impl Progress for NoProgress {
+    fn stage(&mut self, _index: usize, _total: usize, _name: &str) {}
+    fn line(&mut self, _text: &str) {}
+}
+
+/// Options for [`Store::build`].
+#[derive(Debug, Default, Clone)]
+pub struct BuildOptions {
+    /// Build even if the image exists; the old image is replaced atomically
+    /// only once the new one is complete.
+    pub rebuild: bool,
+    /// Debian mirror URL (e.g. `http://deb.debian.org/debian`). When unset,
+    /// `CORDON_DEBIAN_MIRROR` is used, else mmdebstrap's default.
+    pub mirror: Option<String>,
+}
+
+/// Metadata of an image, stored as `image.json` next to its rootfs.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct ImageMeta {
+    /// Image name (same as its directory name).
+    pub name: String,
+    /// When the image was built or imported (seconds since the epoch).
+    pub created_unix: u64,
+    /// Where it came from: `"mmdebstrap bookworm"` or `"import <file>"`.
+    pub source: String,
+    /// Disk usage of the rootfs in bytes.
+    pub size_bytes: u64,
+    /// Default environment for processes started in the image.
+    pub env: Vec<(String, String)>,
+    /// User that processes run as unless told otherwise (`"user"` or `"root"`).
+    pub default_user: String,
+}
+
+/// An image in the store.
+#[derive(Clone, Debug)]
+pub struct Image {
+    /// Image name.
+    pub name: String,
+    /// Absolute path of the root filesystem tree (to be used read-only).
+    pub rootfs: PathBuf,
+    /// Its metadata.
+    pub meta: ImageMeta,
+}
+
+/// Names of the recipes [`Store::build`] accepts.
+pub fn recipes() -> &'static [&'static str] {
+    recipe::names()
+}
+
+/// Checks that `name` can be used as an image name:
+/// `^[a-z0-9][a-z0-9._-]{0,62}$`.
+pub fn validate_name(name: &str) -> Result<(), ImageError> {
+    let shown = || {
+        let mut s: String = name.chars().take(70).collect();
+        if s.len() < name.len() {
+            s.push_str("...");
+        }
+        s.escape_debug().to_string()
+    };
+    let invalid = |reason: String| {
+        Err(ImageError::InvalidName {
+            name: shown(),
+            reason,
+        })
+    };
+    let Some(first) = name.chars().next() else {
+        return invalid("it is empty".into());
+    };
+    if name.len() > 63 {
+        return invalid(format!("it is {} characters long", name.chars().count()));
+    }
+    if !(first.is_ascii_lowercase() || first.is_ascii_digit()) {
+        return invalid(format!("it starts with '{}'", first.escape_debug()));
+    }
+    if let Some(bad) = name
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '_' | '-')))
+    {
+        let what = if bad.is_ascii_uppercase() {
+            "an uppercase letter".to_string()
+        } else {
+            format!("'{}'", bad.escape_debug())
+        };
+        return invalid(format!("it contains {what}"));
+    }
+    Ok(())
+}
+
+/// The image store: a directory of images under a state directory.
+#[derive(Debug, Clone)]
+pub struct Store {
+    root: PathBuf,
+}
+
+impl Store {
+    /// Opens (creating it if needed) the store in `<state_dir>/images`.
+    pub fn open(state_dir: &Path) -> Result<Store, ImageError> {
+        let root = state_dir.join("images");
+        fs::create_dir_all(&root)
+            .map_err(|e| ImageError::io(format!("cannot create {}", root.display()), e))?;
+        // Absolute paths keep Image::rootfs valid after a chdir and make the
+        // mount-point checks during cleanup exact.
+        let root = root
+            .canonicalize()
+            .map_err(|e| ImageError::io(format!("cannot open {}", root.display()), e))?;
+        Ok(Store { root })
+    }
+
+    fn image_dir(&self, name: &str) -> PathBuf {
+        self.root.join(name)
+    }
+
+    /// Returns the image `name`.
+    pub fn get(&self, name: &str) -> Result<Image, ImageError> {
+        validate_name(name)?;
+        let dir = self.image_dir(name);
+        let meta_path = dir.join(META_FILE);
+        let text = match fs::read_to_string(&meta_path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return if fs::symlink_metadata(&dir).is_ok() {
+                    Err(ImageError::Corrupt {
+                        name: name.into(),
+                        reason: format!("{} is missing", meta_path.display()),
+                    })
+                } else {
+                    Err(ImageError::NotFound { name: name.into() })
+                };
+            }
+            Err(e) => {
+                return Err(ImageError::io(
+                    format!("cannot read {}", meta_path.display()),
+                    e,
+                ))
+            }
+        };
+        let meta: ImageMeta = serde_json::from_str(&text).map_err(|e| ImageError::Corrupt {
+            name: name.into(),
+            reason: format!("{} is not valid: {e}", meta_path.display()),
+        })?;
+        let rootfs = dir.join(ROOTFS_DIR);
+        if !fs::symlink_metadata(&rootfs)
+            .map(|m| m.is_dir())
+            .unwrap_or(false)
+        {
+            return Err(ImageError::Corrupt {
+                name: name.into(),
+                reason: format!("{} is missing", rootfs.display()),
+            });
+        }
+        Ok(Image {
+            name: name.into(),
+            rootfs,
+            meta,
+        })
+    }
+
+    /// All images, sorted by name. Damaged images are left out (and logged);
+    /// [`Store::get`] reports what is wrong with them.
+    pub fn list(&self) -> Result<Vec<Image>, ImageError> {
+        let rd = fs::read_dir(&self.root)
+            .map_err(|e| ImageError::io(format!("cannot list {}", self.root.display()), e))?;
+        let mut out = Vec::new();
+        for entry in rd {
+            let entry = entry
+                .map_err(|e| ImageError::io(format!("cannot list {}", self.root.display()), e))?;
+            let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            // Staging dirs, locks and logs all start with '.', which no
+            // valid name does.
+            if validate_name(&name).is_err()
+                || !entry.file_type().map(|t| t.is_dir()).unwrap_or(false)
+            {
+                continue;
+            }
+            match self.get(&name) {
+                Ok(img) => out.push(img),
+                Err(e) => tracing::warn!(image = %name, error = %e, "skipping damaged image"),
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Deletes the image `name`.
+    pub fn remove(&self, name: &str) -> Result<(), ImageError> {
+        validate_name(name)?;
+        let _lock = self.lock(name, &mut NoProgress)?;
+        self.sweep_staging(name)?;
+        let dir = self.image_dir(name);
+        if fs::symlink_metadata(&dir).is_err() {
+            return Err(ImageError::NotFound { name: name.into() });
+        }
+        // Rename first so the image disappears atomically; if the deletion
+        // is interrupted the leftover is an ordinary stale staging dir.
+        let trash = self.staging_dir(name);
+        fs::rename(&dir, &trash)
+            .map_err(|e| ImageError::io(format!("cannot remove {}", dir.display()), e))?;
+        fsutil::remove_tree(&trash)
+            .map_err(|e| ImageError::io(format!("cannot delete {}", trash.display()), e))
+    }
+
+    /// Builds the image of `recipe` (the image gets the recipe's name).
+    ///
+    /// If the image already exists and `opts.rebuild` is false it is
+    /// returned unchanged. Building needs root and mmdebstrap, which is
+    /// installed with apt-get when missing.
+    pub fn build(
+        &self,
+        recipe: &str,
+        opts: &BuildOptions,
+        progress: &mut dyn Progress,
+    ) -> Result<Image, ImageError> {
+        let Some(r) = recipe::find(recipe) else {
+            return Err(ImageError::UnknownRecipe {
+                recipe: recipe.escape_debug().to_string(),
+                known: recipes().join(", "),
+            });
+        };
+        let name = r.name;
+        if !opts.rebuild {
+            if let Some(img) = self.cached(name, progress)? {
+                self.sweep_if_idle(name);
+                return Ok(img);
+            }
+        }
+        let tool = build::find_tool("mmdebstrap");
+        if !fsutil::is_root() {
+            if tool.is_none() {
+                return Err(ImageError::MissingTool {
+                    tool: "mmdebstrap".into(),
+                    hint: "run 'apt-get install mmdebstrap' as root".into(),
+                });
+            }
+            return Err(ImageError::NotRoot {
+                action: format!("building image '{name}'"),
+            });
+        }
+        let mirror = build::choose_mirror(opts.mirror.as_deref());
+
+        let _lock = self.lock(name, progress)?;
+        // Whoever held the lock before may just have built it.
+        if !opts.rebuild {
+            if let Some(img) = self.cached(name, progress)? {
+                return Ok(img);
+            }
+        }
+        self.sweep_staging(name)?;
+
+        let mut log = BuildLog::create(self.root.join(format!(".build-{name}.log")))?;
+        let mut stages = Stages::new(build::stage_names(r, tool.is_none()), progress);
+        let tool = match tool {
+            Some(t) => t,
+            None => build::install_mmdebstrap(&mut stages, &mut log)?,
+        };
+
+        let staging = self.staging_dir(name);
+        let rootfs = staging.join(ROOTFS_DIR);
+        let result = (|| {
+            create_dir(&staging)?;
+            create_dir(&rootfs)?;
+            build::run_mmdebstrap(&tool, r, &rootfs, mirror.as_deref(), &mut stages, &mut log)
+                .map_err(|reason| ImageError::BuildFailed {
+                    name: name.into(),
+                    reason,
+                    log: log.path().to_owned(),
+                    tail: log.tail(),
+                })?;
+            stages.enter(build::STAGE_FINALIZING);
+            let missing: Vec<&str> = r
+                .must_exist
+                .iter()
+                .copied()
+                .filter(|p| fs::symlink_metadata(rootfs.join(p)).is_err())
+                .collect();
+            if !missing.is_empty() {
+                let reason = format!(
+                    "mmdebstrap succeeded but the result lacks {}",
+                    missing.join(", ")
+                );
+                log.write(&format!("E: {reason}"));
+                return Err(ImageError::BuildFailed {
+                    name: name.into(),
+                    reason,
+                    log: log.path().to_owned(),
+                    tail: log.tail(),
+                });
+            }
+            let meta = ImageMeta {
+                name: name.into(),
+                created_unix: now_unix(),
+                source: format!("mmdebstrap {}", r.suite),
+                size_bytes: 0,
+                env: r
+                    .env
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                default_user: r.default_user.into(),
+            };
+            self.finish(name, &staging, meta, &mut |l| {
+                log.write(l);
+                stages.line(l)
+            })
+        })();
+        if result.is_err() {
+            self.discard(&staging);
+        }
+        result
+    }
+
+    /// Imports a rootfs tarball (plain or gzip-compressed tar, e.g. the
+    /// output of `docker export`) as image `name`, replacing an existing
+    /// image of that name atomically once the new one is complete.
+    ///
+    /// Permissions, numeric ownership, xattrs, symlinks and hard links are
+    /// kept (ownership and xattrs only when running as root); device nodes
+    /// and FIFOs are skipped. Entries that would land outside the image are
+    /// skipped (`..` paths) or make the import fail (writes through
+    /// symlinks).
+    pub fn import_tar(
+        &self,
+        name: &str,
+        tarball: &Path,
+        progress: &mut dyn Progress,
+    ) -> Result<Image, ImageError> {
+        validate_name(name)?;
+        let import_err = |reason: String| ImageError::Import {
+            name: name.into(),
+            tarball: tarball.to_owned(),
+            reason,
+        };
+        let file = fs::File::open(tarball).map_err(|e| {
+            let hint = if e.kind() == io::ErrorKind::NotFound {
+                ": check the path"
+            } else {
+                ""
+            };
+            import_err(format!("cannot open it ({e}){hint}"))
+        })?;
+        if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+            return Err(import_err(
+                "it is a directory: pass a tar archive of a root filesystem, e.g. from 'docker export'".into(),
+            ));
+        }
+
+        let _lock = self.lock(name, progress)?;
+        self.sweep_staging(name)?;
+        let mut stages = Stages::new(vec!["unpacking", build::STAGE_FINALIZING], progress);
+        let staging = self.staging_dir(name);
+        let rootfs = staging.join(ROOTFS_DIR);
+        let result = (|| {
+            create_dir(&staging)?;
+            create_dir(&rootfs)?;
+            stages.enter("unpacking");
+            let summary =
+                import::unpack(file, &rootfs, stages.progress_mut()).map_err(import_err)?;
+            if summary.entries == 0 {
+                return Err(import_err(
+                    "it contains no files: pass a tar archive of a root filesystem, e.g. from 'docker export'".into(),
+                ));
+            }
+            stages.enter(build::STAGE_FINALIZING);
+            if summary.skipped_special > 0 {
+                stages.line(&format!(
+                    "skipped {} device nodes and FIFOs (sandboxes get their own /dev)",
+                    summary.skipped_special
+                ));
+            }
+            if summary.skipped_unsafe > 0 {
+                stages.line(&format!(
+                    "skipped {} entries with paths outside the image",
+                    summary.skipped_unsafe
+                ));
+            }
+            fsutil::ensure_mount_dirs(&rootfs).map_err(|e| {
+                ImageError::io(
+                    format!("cannot create mount points in {}", rootfs.display()),
+                    e,
+                )
+            })?;
+            let default_user = if import::has_user(&rootfs) {
+                "user"
+            } else {
+                "root"
+            };
+            let meta = ImageMeta {
+                name: name.into(),
+                created_unix: now_unix(),
+                source: format!("import {}", tarball.display()),
+                size_bytes: 0,
+                env: vec![("PATH".into(), recipe::DEFAULT_PATH.into())],
+                default_user: default_user.into(),
+            };
+            self.finish(name, &staging, meta, &mut |l| stages.line(l))
+        })();
+        if result.is_err() {
+            self.discard(&staging);
+        }
+        result
+    }
+
+    /// Returns the existing image when it can be reused as is.
+    fn cached(&self, name: &str, progress: &mut dyn Progress) -> Result<Option<Image>, ImageError> {
+        match self.get(name) {
+            Ok(img) => {
+                progress.line(&format!(
+                    "image '{name}' is already built, reusing it (to build it again: 'cordon image build {name} --rebuild')"
+                ));
+                Ok(Some(img))
+            }
+            // A damaged image is rebuilt rather than reported.
+            Err(ImageError::NotFound { .. }) | Err(ImageError::Corrupt { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes the metadata into `staging` and moves it into place as `name`.
+    fn finish(
+        &self,
+        name: &str,
+        staging: &Path,
+        mut meta: ImageMeta,
+        line: &mut dyn FnMut(&str),
+    ) -> Result<Image, ImageError> {
+        let rootfs = staging.join(ROOTFS_DIR);
+        meta.size_bytes = fsutil::tree_size(&rootfs)
+            .map_err(|e| ImageError::io(format!("cannot measure {}", rootfs.display()), e))?;
+        line(&format!(
+            "image size {:.1} MiB",
+            meta.size_bytes as f64 / (1024.0 * 1024.0)
+        ));
+        let meta_path = staging.join(META_FILE);
+        let json = serde_json::to_vec_pretty(&meta).expect("ImageMeta serializes");
+        (|| -> io::Result<()> {
+            let mut f = fs::File::create(&meta_path)?;
+            f.write_all(&json)?;
+            f.write_all(b"\n")?;
+            f.sync_all()
+        })()
+        .map_err(|e| ImageError::io(format!("cannot write {}", meta_path.display()), e))?;
+        // Everything must be on disk before the name appears, or a power
+        // loss could leave a valid-looking image with missing file contents.
+        fsutil::syncfs(staging)
+            .map_err(|e| ImageError::io(format!("cannot sync {}", staging.display()), e))?;
+
+        let dir = self.image_dir(name);
+        let replaced = if fs::symlink_metadata(&dir).is_ok() {
+            match fsutil::exchange(staging, &dir) {
+                Ok(()) => true,
+                // Filesystems without RENAME_EXCHANGE: move the old image
+                // aside first (a crash in between leaves no image, never a
+                // broken one).
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOSYS)) => {
+                    let old = self
+                        .root
+                        .join(format!("{STAGING_PREFIX}{name}-{}-old", std::process::id()));
+                    fs::rename(&dir, &old).map_err(|e| {
+                        ImageError::io(format!("cannot replace {}", dir.display()), e)
+                    })?;
+                    fs::rename(staging, &dir).map_err(|e| {
+                        ImageError::io(format!("cannot rename {}", staging.display()), e)
+                    })?;
+                    fsutil::remove_tree(&old).map_err(|e| {
+                        ImageError::io(format!("cannot delete {}", old.display()), e)
+                    })?;
+                    false
+                }
+                Err(e) => {
+                    return Err(ImageError::io(
+                        format!("cannot replace {}", dir.display()),
+                        e,
+                    ))
+                }
+            }
+        } else {
+            fs::rename(staging, &dir)
+                .map_err(|e| ImageError::io(format!("cannot rename {}", staging.display()), e))?;
+            false
+        };
+        let _ = fsutil::sync_dir(&self.root);
+        if replaced {
+            // The staging path now holds the previous image.
+            fsutil::remove_tree(staging).map_err(|e| {
+                ImageError::io(
+                    format!("cannot delete the previous image at {}", staging.display()),
+                    e,
+                )
+            })?;
+        }
+        Ok(Image {
+            name: name.into(),
+            rootfs: dir.join(ROOTFS_DIR),
+            meta,
+        })
+    }
+
+    fn staging_dir(&self, name: &str) -> PathBuf {
+        self.root
+            .join(format!("{STAGING_PREFIX}{name}-{}", std::process::id()))
+    }
+
+    /// Deletes a failed staging dir; failure to do so is only logged since
+    /// the next operation on the name retries.
+    fn discard(&self, staging: &Path) {
+        if let Err(e) = fsutil::remove_tree(staging) {
+            tracing::warn!(path = %staging.display(), error = %e, "cannot delete staging directory");
+        }
+    }
+
+    /// Deletes stale staging dirs of `name`. Must hold the name's lock: then
+    /// any staging dir of that name belongs to a process that died.
+    fn sweep_staging(&self, name: &str) -> Result<(), ImageError> {
+        let prefix = format!("{STAGING_PREFIX}{name}-");
+        let rd = fs::read_dir(&self.root)
+            .map_err(|e| ImageError::io(format!("cannot list {}", self.root.display()), e))?;
+        for entry in rd.flatten() {
+            let file_name = entry.file_name();
+            let Some(fname) = file_name.to_str() else {
+                continue;
+            };
+            let Some(rest) = fname.strip_prefix(&prefix) else {
+                continue;
+            };
+            // The suffix is exactly "<pid>" or "<pid>-old"; anything else
+            // belongs to a longer name sharing this prefix ("foo" vs "foo-1").
+            let pid = rest.strip_suffix("-old").unwrap_or(rest);
+            if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            let path = entry.path();
+            tracing::info!(path = %path.display(), "removing stale staging directory");
+            fsutil::remove_tree(&path).map_err(|e| {
+                ImageError::io(format!("cannot delete stale {}", path.display()), e)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Deletes stale staging dirs of `name` if nobody is working on it right
+    /// now; never waits, and failures only get logged, since this is
+    /// housekeeping on a path that otherwise did not need the lock.
+    fn sweep_if_idle(&self, name: &str) {
+        let path = self.root.join(format!(".lock-{name}"));
+        if let Ok(fsutil::TryLock::Acquired(_lock)) = fsutil::try_lock(&path) {
+            if let Err(e) = self.sweep_staging(name) {
+                tracing::warn!(image = %name, error = %e, "cannot clean up staging directories");
+            }
+        }
+    }
+
+    /// Takes the per-name lock, telling `progress` when it has to wait.
+    fn lock(
+        &self,
+        name: &str,
+        progress: &mut dyn Progress,
+    ) -> Result<fsutil::FileLock, ImageError> {
+        let path = self.root.join(format!(".lock-{name}"));
+        let err = |e| ImageError::io(format!("cannot lock {}", path.display()), e);
+        match fsutil::try_lock(&path).map_err(err)? {
+            fsutil::TryLock::Acquired(l) => Ok(l),
+            fsutil::TryLock::Busy(file) => {
+                progress.line(&format!(
+                    "waiting for another build, import or removal of '{name}' to finish"
+                ));
+                fsutil::lock_blocking(file).map_err(err)
+            }
+        }
+    }
+}
+
+fn create_dir(p: &Path) -> Result<(), ImageError> {
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new()
+        .mode(0o755)
+        .create(p)
+        .map_err(|e| ImageError::io(format!("cannot create {}", p.display()), e))
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests;

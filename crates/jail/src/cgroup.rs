@@ -1,0 +1,316 @@
+//! Per-sandbox cgroups on v1, v2 or the hybrid of both, detected at run time.
+//!
+//! Limits come from whichever hierarchy has the controller: on pure v2 hosts the unified tree,
+//! on v1/hybrid hosts the `memory`, `pids` and `cpu` hierarchies. When a unified hierarchy
+//! exists at all (even without controllers, as on hybrid hosts) the sandbox also gets a group
+//! there, for its `cgroup.kill` and `cgroup.events`.
+
+use cordon_spec::Limits;
+use serde::{Deserialize, Serialize};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const ROOT: &str = "/sys/fs/cgroup";
+const PERIOD_US: u64 = 100_000;
+
+/// Where each controller lives on this host.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Layout {
+    /// The unified (v2) mount point, if any.
+    pub unified: Option<PathBuf>,
+    /// Which of memory, pids and cpu the unified hierarchy serves.
+    pub v2_controllers: Vec<String>,
+    /// v1 mount points of memory, pids and cpu, where v1 provides them.
+    pub v1: Vec<(String, PathBuf)>,
+}
+
+impl Layout {
+    pub fn detect() -> Layout {
+        let root = Path::new(ROOT);
+        let unified = if root.join("cgroup.controllers").exists() {
+            Some(root.to_path_buf())
+        } else if root.join("unified/cgroup.controllers").exists() {
+            Some(root.join("unified"))
+        } else {
+            None
+        };
+        let v2_controllers: Vec<String> = unified
+            .as_ref()
+            .and_then(|u| fs::read_to_string(u.join("cgroup.controllers")).ok())
+            .map(|s| {
+                s.split_whitespace().filter(|c| ["memory", "pids", "cpu"].contains(c)).map(String::from).collect()
+            })
+            .unwrap_or_default();
+        let mut v1 = Vec::new();
+        for c in ["memory", "pids", "cpu"] {
+            if v2_controllers.iter().any(|x| x == c) {
+                continue;
+            }
+            let p = root.join(c);
+            if p.join("cgroup.procs").exists() {
+                v1.push((c.to_string(), p));
+            }
+        }
+        Layout { unified, v2_controllers, v1 }
+    }
+
+    /// Which of memory, pids and cpu nobody provides.
+    pub fn missing(&self) -> Vec<&'static str> {
+        ["memory", "pids", "cpu"]
+            .into_iter()
+            .filter(|c| !self.v2_controllers.iter().any(|x| x == c) && !self.v1.iter().any(|(n, _)| n == c))
+            .collect()
+    }
+
+    pub fn describe(&self) -> String {
+        let v2 = if self.v2_controllers.is_empty() { "none".into() } else { self.v2_controllers.join(" ") };
+        let v1: Vec<&str> = self.v1.iter().map(|(n, _)| n.as_str()).collect();
+        match (&self.unified, v1.is_empty()) {
+            (Some(u), true) => format!("v2 at {} (controllers: {v2})", u.display()),
+            (Some(u), false) => format!("hybrid: v1 {} + v2 at {} (controllers: {v2})", v1.join(" "), u.display()),
+            (None, _) => format!("v1 {}", v1.join(" ")),
+        }
+    }
+}
+
+/// The cgroups of one sandbox. Serialisable, so that a later process can reap them.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Cgroup {
+    /// The sandbox's group in the unified hierarchy, if there is one.
+    pub unified: Option<PathBuf>,
+    pub v2_limits: bool,
+    /// (controller, group dir) for each v1 controller used.
+    pub v1: Vec<(String, PathBuf)>,
+}
+
+fn write(path: &Path, value: &str) -> io::Result<()> {
+    fs::write(path, value).map_err(|e| io::Error::new(e.kind(), format!("write {value:?} to {}: {e}", path.display())))
+}
+
+impl Cgroup {
+    /// The groups this sandbox would use, without creating anything yet.
+    pub fn plan(layout: &Layout, id: &str) -> Cgroup {
+        Cgroup {
+            unified: layout.unified.as_ref().map(|u| u.join("cordon").join(id)),
+            v2_limits: !layout.v2_controllers.is_empty(),
+            v1: layout.v1.iter().map(|(c, p)| (c.clone(), p.join("cordon").join(id))).collect(),
+        }
+    }
+
+    /// Creates the groups and writes the limits. On error, whatever was created is removed.
+    pub fn create(&self, limits: &Limits) -> io::Result<()> {
+        let r = self.create_inner(limits);
+        if r.is_err() {
+            let _ = self.remove();
+        }
+        r
+    }
+
+    fn create_inner(&self, limits: &Limits) -> io::Result<()> {
+        if let Some(u) = &self.unified {
+            let parent = u.parent().expect("cgroup has a parent");
+            fs::create_dir_all(parent)?;
+            if self.v2_limits {
+                // Controllers must be enabled top-down for the leaf to have the files.
+                let want = "+memory +pids +cpu";
+                for dir in [parent.parent().expect("mount point"), parent] {
+                    for c in want.split(' ') {
+                        let _ = fs::write(dir.join("cgroup.subtree_control"), c);
+                    }
+                }
+            }
+            fs::create_dir(u)?;
+            if self.v2_limits {
+                write(&u.join("memory.max"), &limits.memory_bytes.to_string())?;
+                if u.join("memory.swap.max").exists() {
+                    write(&u.join("memory.swap.max"), "0")?;
+                }
+                write(&u.join("pids.max"), &limits.pids.to_string())?;
+                write(&u.join("cpu.max"), &format!("{} {PERIOD_US}", limits.cpu_quota_us(PERIOD_US)))?;
+            }
+        }
+        for (c, dir) in &self.v1 {
+            fs::create_dir_all(dir)?;
+            match c.as_str() {
+                "memory" => {
+                    write(&dir.join("memory.limit_in_bytes"), &limits.memory_bytes.to_string())?;
+                    // memsw is memory+swap: equal to the memory limit means no swap at all.
+                    let memsw = dir.join("memory.memsw.limit_in_bytes");
+                    if memsw.exists() {
+                        write(&memsw, &limits.memory_bytes.to_string())?;
+                    }
+                    let _ = fs::write(dir.join("memory.swappiness"), "0");
+                }
+                "pids" => write(&dir.join("pids.max"), &limits.pids.to_string())?,
+                "cpu" => {
+                    write(&dir.join("cpu.cfs_period_us"), &PERIOD_US.to_string())?;
+                    write(&dir.join("cpu.cfs_quota_us"), &limits.cpu_quota_us(PERIOD_US).to_string())?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The `cgroup.procs` files a process writes its pid to in order to join every group.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.unified.iter().chain(self.v1.iter().map(|(_, d)| d)).map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
+        self.unified.iter().chain(self.v1.iter().map(|(_, d)| d))
+    }
+
+    fn pids(&self) -> Vec<libc::pid_t> {
+        let mut out = Vec::new();
+        for d in self.dirs() {
+            if let Ok(s) = fs::read_to_string(d.join("cgroup.procs")) {
+                out.extend(s.lines().filter_map(|l| l.trim().parse::<libc::pid_t>().ok()));
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pids().is_empty()
+    }
+
+    /// Kills every process in the groups: `cgroup.kill` where the kernel has it, otherwise
+    /// SIGKILL to each listed pid (repeated by [`Cgroup::kill_and_wait`] until none is left).
+    pub fn kill(&self) {
+        if let Some(u) = &self.unified {
+            if fs::write(u.join("cgroup.kill"), "1").is_ok() {
+                return;
+            }
+        }
+        for pid in self.pids() {
+            // SAFETY: kill with a pid read from the group's own member list.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+
+    /// Kills and waits until the groups are empty or `deadline` passes.
+    pub fn kill_and_wait(&self, deadline: Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            if self.is_empty() {
+                return true;
+            }
+            self.kill();
+            if start.elapsed() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// How many times the kernel's OOM killer fired inside the sandbox.
+    pub fn oom_kills(&self) -> u64 {
+        if self.v2_limits {
+            if let Some(u) = &self.unified {
+                return read_key(&u.join("memory.events"), "oom_kill").unwrap_or(0);
+            }
+        }
+        self.v1_dir("memory").and_then(|d| read_key(&d.join("memory.oom_control"), "oom_kill")).unwrap_or(0)
+    }
+
+    /// Peak memory use in bytes (page cache and tmpfs included, as the limit counts them).
+    pub fn peak_memory(&self) -> u64 {
+        if self.v2_limits {
+            if let Some(u) = &self.unified {
+                return read_u64(&u.join("memory.peak")).unwrap_or(0);
+            }
+        }
+        self.v1_dir("memory").and_then(|d| read_u64(&d.join("memory.max_usage_in_bytes"))).unwrap_or(0)
+    }
+
+    /// Current memory use in bytes.
+    pub fn memory_current(&self) -> u64 {
+        if self.v2_limits {
+            if let Some(u) = &self.unified {
+                return read_u64(&u.join("memory.current")).unwrap_or(0);
+            }
+        }
+        self.v1_dir("memory").and_then(|d| read_u64(&d.join("memory.usage_in_bytes"))).unwrap_or(0)
+    }
+
+    fn v1_dir(&self, c: &str) -> Option<&PathBuf> {
+        self.v1.iter().find(|(n, _)| n == c).map(|(_, d)| d)
+    }
+
+    /// Removes the (empty) groups. Missing groups are not an error: removal is idempotent.
+    pub fn remove(&self) -> io::Result<()> {
+        let mut first_err = None;
+        for d in self.dirs() {
+            let mut tries = 0;
+            loop {
+                match fs::remove_dir(d) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+                    // The last task may still be exiting; the kernel refuses rmdir until then.
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 500 => {
+                        tries += 1;
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(io::Error::new(e.kind(), format!("rmdir {}: {e}", d.display())));
+                        break;
+                    }
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+fn read_u64(p: &Path) -> Option<u64> {
+    fs::read_to_string(p).ok()?.trim().parse().ok()
+}
+
+fn read_key(p: &Path, key: &str) -> Option<u64> {
+    let s = fs::read_to_string(p).ok()?;
+    s.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_places_groups_under_cordon() {
+        let layout = Layout {
+            unified: Some("/sys/fs/cgroup/unified".into()),
+            v2_controllers: vec![],
+            v1: vec![("memory".into(), "/sys/fs/cgroup/memory".into())],
+        };
+        let cg = Cgroup::plan(&layout, "abc");
+        assert_eq!(cg.unified.as_deref(), Some(Path::new("/sys/fs/cgroup/unified/cordon/abc")));
+        assert!(!cg.v2_limits);
+        assert_eq!(cg.v1[0].1, Path::new("/sys/fs/cgroup/memory/cordon/abc"));
+        assert_eq!(cg.procs_files().len(), 2);
+    }
+
+    #[test]
+    fn missing_controllers_are_named() {
+        let layout = Layout { unified: None, v2_controllers: vec!["memory".into()], v1: vec![] };
+        assert_eq!(layout.missing(), vec!["pids", "cpu"]);
+    }
+
+    #[test]
+    fn keyed_files_parse() {
+        let dir = std::env::temp_dir().join(format!("cordon-cg-test-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("memory.oom_control");
+        fs::write(&f, "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n").unwrap();
+        assert_eq!(read_key(&f, "oom_kill"), Some(3));
+        assert_eq!(read_key(&f, "nope"), None);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,222 @@
+//! The jailer: a short-lived, single-threaded process that creates one sandbox and exits.
+//!
+//! The host process (a multi-threaded server) cannot safely fork and then run setup code, so it
+//! re-executes its own binary as the jailer, which does one thing in a fixed order, as
+//! Firecracker's jailer does:
+//!
+//! 1. join the sandbox's cgroups (everything forked later inherits them);
+//! 2. create the network namespace, owned by the host's user namespace so that nothing inside
+//!    ever holds CAP_NET_ADMIN over it, and bring loopback up;
+//! 3. bind the agent's socket on the host side;
+//! 4. clone the sandbox init into new user, mount, pid, ipc, uts and cgroup namespaces;
+//! 5. write its uid/gid maps, clone the image as an idmapped read-only tree through that user
+//!    namespace and hand it over;
+//! 6. wait until the init has exec'd the agent (its end of a close-on-exec socket closes) or
+//!    reported an error, print the outcome, exit.
+//!
+//! The init (the clone) builds its root, pivots, drops to a clean fd table and environment, and
+//! execs the agent from a descriptor: the agent binary is never mounted into the sandbox.
+
+use crate::{rootfs, sys};
+use serde::{Deserialize, Serialize};
+use std::ffi::CString;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+
+/// Everything the jailer needs, sent as JSON on its stdin.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct JailerConfig {
+    pub id: String,
+    pub rootfs: PathBuf,
+    pub staging: PathBuf,
+    pub socket: PathBuf,
+    pub uid_base: u32,
+    pub uid_count: u32,
+    pub cgroup_procs: Vec<PathBuf>,
+    pub disk_bytes: u64,
+    pub nofile: u64,
+    pub agent_env: Vec<(String, String)>,
+}
+
+/// The jailer's one line of output.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JailerReply {
+    Ready { pid: i32 },
+    Failed { error: String },
+}
+
+/// Entry point of `cordon __jail`. Never returns.
+pub fn main() -> ! {
+    let mut input = String::new();
+    let reply = match io::stdin().read_to_string(&mut input) {
+        Err(e) => JailerReply::Failed { error: format!("reading jailer config: {e}") },
+        Ok(_) => match serde_json::from_str::<JailerConfig>(&input) {
+            Err(e) => JailerReply::Failed { error: format!("bad jailer config: {e}") },
+            Ok(cfg) => match run(&cfg) {
+                Ok(pid) => JailerReply::Ready { pid },
+                Err(e) => JailerReply::Failed { error: e.to_string() },
+            },
+        },
+    };
+    let ok = matches!(reply, JailerReply::Ready { .. });
+    let mut out = io::stdout().lock();
+    let _ = serde_json::to_writer(&mut out, &reply);
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
+    std::process::exit(if ok { 0 } else { 1 })
+}
+
+fn run(cfg: &JailerConfig) -> io::Result<i32> {
+    for procs in &cfg.cgroup_procs {
+        fs::write(procs, "0").map_err(|e| io::Error::new(e.kind(), format!("join cgroup {}: {e}", procs.display())))?;
+    }
+
+    sys::unshare(libc::CLONE_NEWNET)?;
+    sys::loopback_up()?;
+
+    let _ = fs::remove_file(&cfg.socket);
+    let listener = UnixListener::bind(&cfg.socket)
+        .map_err(|e| io::Error::new(e.kind(), format!("bind agent socket {}: {e}", cfg.socket.display())))?;
+    fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
+    let exe = fs::File::open("/proc/self/exe")?;
+    let (parent_end, child_end) = sys::socketpair()?;
+
+    let flags = libc::CLONE_NEWUSER
+        | libc::CLONE_NEWNS
+        | libc::CLONE_NEWPID
+        | libc::CLONE_NEWIPC
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWCGROUP;
+    // SAFETY: the jailer is single-threaded (it is a fresh exec that starts no threads).
+    let pid = unsafe { sys::clone_fork(flags)? };
+    if pid == 0 {
+        drop(parent_end);
+        init(cfg, child_end, listener.as_raw_fd(), exe.as_raw_fd());
+    }
+    drop(child_end);
+    drop(listener);
+    drop(exe);
+
+    match hand_over(cfg, pid, &parent_end) {
+        Ok(()) => Ok(pid),
+        Err(e) => {
+            // SAFETY: pid is our own child, just created.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The jailer's half of the handshake: maps, idmapped image, then wait for exec or an error.
+fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<()> {
+    let map = format!("0 {} {}\n", cfg.uid_base, cfg.uid_count);
+    fs::write(format!("/proc/{pid}/uid_map"), &map)?;
+    fs::write(format!("/proc/{pid}/gid_map"), &map)?;
+
+    let userns: OwnedFd = fs::File::open(format!("/proc/{pid}/ns/user"))?.into();
+    let tree = sys::open_tree_clone(&cfg.rootfs)?;
+    sys::mount_setattr(&tree, sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV, Some(&userns))?;
+    sys::send_fd(sock, &tree)?;
+    drop(tree);
+
+    let mut buf = [0u8; 4096];
+    // SAFETY: reading into a local buffer from our socket end.
+    let n = unsafe { libc::read(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    match n {
+        0 => Ok(()),
+        n if n > 0 => Err(io::Error::other(String::from_utf8_lossy(&buf[..n as usize]).into_owned())),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// The sandbox init before it becomes the agent. Never returns: it execs or reports and exits.
+fn init(cfg: &JailerConfig, sock: OwnedFd, listener: RawFd, exe: RawFd) -> ! {
+    let err = match init_inner(cfg, &sock, listener, exe) {
+        Err(e) => e,
+        Ok(never) => match never {},
+    };
+    let msg = format!("sandbox setup failed: {err}");
+    // SAFETY: writing a local buffer to our socket end; we exit right after.
+    unsafe {
+        libc::write(sock.as_raw_fd(), msg.as_ptr().cast(), msg.len());
+        libc::_exit(127)
+    }
+}
+
+fn high_fd(fd: RawFd) -> io::Result<RawFd> {
+    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor >= 64 for a valid fd.
+    let r = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 64) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -> io::Result<std::convert::Infallible> {
+    // Move the two descriptors we keep out of the way of 0..=3, which are about to be reassigned.
+    let listener = high_fd(listener)?;
+    let exe = high_fd(exe)?;
+
+    // The image arrives only after the maps are written, so this is also the go signal.
+    let image = sys::recv_fd(sock)?.ok_or_else(|| io::Error::other("jailer went away"))?;
+    sys::become_root()?;
+    rootfs::enter(rootfs::RootPlan {
+        staging: &cfg.staging,
+        image,
+        disk_bytes: cfg.disk_bytes,
+        hostname: &cfg.id,
+    })?;
+
+    sys::setrlimit(libc::RLIMIT_NOFILE, cfg.nofile, cfg.nofile)?;
+    sys::setrlimit(libc::RLIMIT_CORE, 0, 0)?;
+
+    let null: OwnedFd = fs::OpenOptions::new().read(true).write(true).open("/dev/null")?.into();
+    for fd in 0..3 {
+        sys::dup2(null.as_raw_fd(), fd)?;
+    }
+    drop(null);
+    sys::dup2(listener, 3)?;
+    sys::cloexec_from(4)?;
+
+    let argv = [CString::new("cordon-agent").expect("static")];
+    let mut envp = vec![CString::new("CORDON_AGENT_FD=3").expect("static")];
+    for (k, v) in &cfg.agent_env {
+        envp.push(CString::new(format!("{k}={v}")).map_err(|_| io::Error::other("NUL in agent env"))?);
+    }
+    Err(sys::execveat_fd(exe, &argv, &envp))
+}
+
+/// Runs a jailer as a child of the current process and waits for its reply.
+pub(crate) fn spawn(exe: &std::path::Path, cfg: &JailerConfig) -> io::Result<JailerReply> {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(exe)
+        .arg("__jail")
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| io::Error::new(e.kind(), format!("start jailer {}: {e}", exe.display())))?;
+    let input = serde_json::to_vec(cfg).map_err(io::Error::other)?;
+    child.stdin.take().expect("piped").write_all(&input)?;
+    let mut out = String::new();
+    child.stdout.take().expect("piped").read_to_string(&mut out)?;
+    let mut err = String::new();
+    let _ = child.stderr.take().expect("piped").read_to_string(&mut err);
+    let status = child.wait()?;
+    match serde_json::from_str::<JailerReply>(out.trim()) {
+        Ok(r) => Ok(r),
+        Err(_) => Ok(JailerReply::Failed {
+            error: format!("jailer exited with {status} without a reply: {}", err.trim()),
+        }),
+    }
+}

@@ -1,0 +1,335 @@
+//! The `ns` tier: a sandbox made of Linux namespaces, an idmapped overlay root, cgroups and
+//! nothing of the host.
+//!
+//! [`Jail`] owns the state directory. [`Jail::create`] plans a sandbox (id, uid range, cgroups),
+//! records the plan on disk before touching the kernel (so a crash at any point leaves
+//! something the next start can reap), then runs the [`jailer`] which builds the namespaces and
+//! execs `cordon-agent` as the sandbox's PID 1. [`Sandbox`] is the live handle; dropping it
+//! tears everything down.
+
+pub mod cgroup;
+pub mod jailer;
+mod rootfs;
+mod slots;
+mod sys;
+
+pub use cgroup::{Cgroup, Layout};
+
+use cordon_spec::Limits;
+use serde::{Deserialize, Serialize};
+use std::fs;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Host uids/gids of sandbox `n` start at `UID_BASE + n * UID_COUNT`: far above the ranges
+/// distributions hand out in /etc/subuid, below 2^31 so no tool misreads them as negative.
+pub const UID_BASE: u32 = 1_000_000_000;
+pub const UID_COUNT: u32 = 65_536;
+
+/// Errors of the ns tier. Each message says what failed and, where there is one, the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum JailError {
+    /// An operation on the host failed.
+    #[error("{what}: {source}")]
+    Io { what: String, source: io::Error },
+    /// The sandbox could not be built; the message comes from the step that failed.
+    #[error("{0}")]
+    Setup(String),
+    /// Every uid range is taken by a live sandbox.
+    #[error("no free uid range: {0} sandboxes are running; stop some or raise the limit")]
+    NoSlot(u32),
+    /// The host lacks something the tier needs.
+    #[error("the ns tier cannot run here: {0}")]
+    Unsupported(String),
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> JailError {
+    let what = what.into();
+    move |source| JailError::Io { what, source }
+}
+
+/// What to create.
+#[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    pub id: String,
+    /// The image's root tree (read-only; never written).
+    pub rootfs: PathBuf,
+    pub limits: Limits,
+    /// Environment given to the agent (its config); the agent clears it for commands.
+    pub agent_env: Vec<(String, String)>,
+}
+
+/// What is on disk about a sandbox, enough to reap it after a crash.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Record {
+    id: String,
+    slot: u32,
+    cgroup: Cgroup,
+    pid: Option<i32>,
+}
+
+/// The state directory and the cgroup layout of this host.
+pub struct Jail {
+    run_dir: PathBuf,
+    slots: slots::Slots,
+    layout: Layout,
+    exe: PathBuf,
+}
+
+impl Jail {
+    /// Opens (creating) `<state>/run` and `<state>/slots`, and reaps whatever a previous,
+    /// crashed instance left behind. `exe` is the cordon binary, re-run as the jailer.
+    pub fn open(state_dir: &Path, exe: PathBuf) -> Result<Jail, JailError> {
+        let run_dir = state_dir.join("run");
+        fs::create_dir_all(&run_dir).map_err(io_err(format!("create {}", run_dir.display())))?;
+        let slots = slots::Slots::open(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
+        let layout = Layout::detect();
+        let missing = layout.missing();
+        if !missing.is_empty() {
+            return Err(JailError::Unsupported(format!(
+                "cgroup controllers missing: {} (mount them, or on cgroup v2 enable them in cgroup.subtree_control)",
+                missing.join(", ")
+            )));
+        }
+        let jail = Jail { run_dir, slots, layout, exe };
+        jail.reap_orphans();
+        Ok(jail)
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Kills and removes every sandbox whose owning process is gone. Returns how many.
+    pub fn reap_orphans(&self) -> usize {
+        let Ok(entries) = fs::read_dir(&self.run_dir) else { return 0 };
+        let mut reaped = 0;
+        for e in entries.flatten() {
+            let dir = e.path();
+            let Ok(lock) = fs::File::open(dir.join("lock")) else {
+                // A directory without a lock is a create that died before it made one.
+                let _ = fs::remove_dir_all(&dir);
+                continue;
+            };
+            if !sys::flock_exclusive_nb(&lock).unwrap_or(false) {
+                continue; // its owner is alive
+            }
+            if let Ok(rec) = fs::read(dir.join("record.json"))
+                .map_err(drop)
+                .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(drop))
+            {
+                tracing::info!(id = %rec.id, "reaping sandbox left by a dead cordon process");
+                rec.cgroup.kill_and_wait(Duration::from_secs(5));
+                let _ = rec.cgroup.remove();
+            }
+            let _ = fs::remove_dir_all(&dir);
+            reaped += 1;
+        }
+        reaped
+    }
+
+    /// Creates a running sandbox whose agent is listening on [`Sandbox::socket_path`].
+    pub fn create(&self, cfg: &SandboxConfig) -> Result<Sandbox, JailError> {
+        cfg.limits.validate().map_err(|e| JailError::Setup(e.to_string()))?;
+        let dir = self.run_dir.join(&cfg.id);
+        fs::create_dir(&dir).map_err(io_err(format!("create {}", dir.display())))?;
+        let lock = match fs::File::create(dir.join("lock")) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(io_err("create lock")(e));
+            }
+        };
+        // Held for the sandbox's life: a free lock means a dead owner (see reap_orphans).
+        let _ = sys::flock_exclusive_nb(&lock);
+
+        let mut sb = Sandbox {
+            id: cfg.id.clone(),
+            dir,
+            socket: PathBuf::new(),
+            cgroup: Cgroup::plan(&self.layout, &cfg.id),
+            slot: None,
+            pidfd: None,
+            pid: 0,
+            _lock: lock,
+            torn_down: false,
+        };
+        // From here on, dropping `sb` on any error undoes every step taken so far.
+        let slot = self.slots.acquire().ok_or(JailError::NoSlot(self.slots.capacity()))?;
+        let slot_index = slot.index;
+        sb.slot = Some(slot);
+        sb.socket = sb.dir.join("agent.sock");
+        let staging = sb.dir.join("root");
+        fs::create_dir(&staging).map_err(io_err("create staging dir"))?;
+        sb.write_record()?;
+        sb.cgroup.create(&cfg.limits).map_err(io_err("create cgroups"))?;
+
+        let jcfg = jailer::JailerConfig {
+            id: cfg.id.clone(),
+            rootfs: cfg.rootfs.clone(),
+            staging,
+            socket: sb.socket.clone(),
+            uid_base: UID_BASE + slot_index * UID_COUNT,
+            uid_count: UID_COUNT,
+            cgroup_procs: sb.cgroup.procs_files(),
+            disk_bytes: cfg.limits.disk_bytes,
+            nofile: cfg.limits.nofile,
+            agent_env: cfg.agent_env.clone(),
+        };
+        match jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))? {
+            jailer::JailerReply::Failed { error } => Err(JailError::Setup(error)),
+            jailer::JailerReply::Ready { pid } => {
+                sb.pid = pid;
+                sb.pidfd = Some(sys::pidfd_open(pid).map_err(io_err("pidfd_open sandbox init"))?);
+                sb.write_record()?;
+                Ok(sb)
+            }
+        }
+    }
+}
+
+/// A live sandbox. Dropping it kills everything in it and removes every trace.
+pub struct Sandbox {
+    id: String,
+    dir: PathBuf,
+    socket: PathBuf,
+    cgroup: Cgroup,
+    slot: Option<slots::Slot>,
+    pidfd: Option<OwnedFd>,
+    pid: i32,
+    _lock: fs::File,
+    torn_down: bool,
+}
+
+impl Sandbox {
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The agent's socket, reachable only from the host.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Host pid of the sandbox's init (the agent).
+    pub fn host_pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// First host uid of this sandbox's range: sandbox uid N is host uid `uid_base() + N`.
+    pub fn uid_base(&self) -> u32 {
+        UID_BASE + self.slot.as_ref().map_or(0, |s| s.index) * UID_COUNT
+    }
+
+    /// A pidfd of the init; it becomes readable when the sandbox dies.
+    pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
+        self.pidfd.as_ref().map(|f| f.as_fd())
+    }
+
+    pub fn cgroup(&self) -> &Cgroup {
+        &self.cgroup
+    }
+
+    /// Kills every process of the sandbox now. Killing the init of a pid namespace makes the
+    /// kernel kill all of it; the cgroup kill catches anything else in the groups.
+    pub fn kill(&self) {
+        if let Some(fd) = &self.pidfd {
+            let _ = sys::pidfd_kill(fd);
+        }
+        self.cgroup.kill();
+    }
+
+    /// Whether the init has exited.
+    pub fn has_exited(&self) -> bool {
+        let Some(fd) = &self.pidfd else { return true };
+        let mut p = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(fd), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, zero timeout.
+        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    }
+
+    pub fn oom_kills(&self) -> u64 {
+        self.cgroup.oom_kills()
+    }
+
+    pub fn peak_memory(&self) -> u64 {
+        self.cgroup.peak_memory()
+    }
+
+    fn write_record(&self) -> Result<(), JailError> {
+        let rec = Record {
+            id: self.id.clone(),
+            slot: self.slot.as_ref().map_or(0, |s| s.index),
+            cgroup: self.cgroup.clone(),
+            pid: (self.pid > 0).then_some(self.pid),
+        };
+        let tmp = self.dir.join("record.json.tmp");
+        fs::write(&tmp, serde_json::to_vec(&rec).expect("record serialises")).map_err(io_err("write record"))?;
+        fs::rename(&tmp, self.dir.join("record.json")).map_err(io_err("write record"))
+    }
+
+    /// Kills the sandbox and removes its processes, cgroups and files. Idempotent.
+    pub fn destroy(&mut self) -> Result<(), JailError> {
+        if self.torn_down {
+            return Ok(());
+        }
+        self.torn_down = true;
+        self.kill();
+        if let Some(fd) = &self.pidfd {
+            // The init is our child when we are a subreaper; reap it so no zombie remains.
+            for _ in 0..2000 {
+                match sys::pidfd_reap(fd, false) {
+                    Ok(true) | Err(_) => break,
+                    Ok(false) => std::thread::sleep(Duration::from_millis(1)),
+                }
+            }
+        }
+        let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
+        let removed = self.cgroup.remove();
+        let _ = fs::remove_dir_all(&self.dir);
+        self.slot.take();
+        if !emptied {
+            return Err(JailError::Setup(format!("sandbox {} did not die within 5 s", self.id)));
+        }
+        removed.map_err(io_err("remove cgroups"))
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if let Err(e) = self.destroy() {
+            tracing::warn!("teardown of {}: {e}", self.id);
+        }
+    }
+}
+
+/// Makes the calling process the reaper of orphaned descendants, so that a sandbox init
+/// becomes our child when its jailer exits and can be reaped by pidfd.
+pub fn become_subreaper() {
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+}
+
+/// A random sandbox id in E2B's shape: `i` followed by 20 of `[a-z0-9]`.
+pub fn new_id() -> String {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut raw = [0u8; 20];
+    getrandom::fill(&mut raw).expect("the kernel's random source is available");
+    let mut id = String::with_capacity(21);
+    id.push('i');
+    id.extend(raw.iter().map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char));
+    id
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ids_have_e2b_shape() {
+        let id = super::new_id();
+        assert_eq!(id.len(), 21);
+        assert!(id.starts_with('i'));
+        assert!(id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()));
+        assert_ne!(id, super::new_id());
+    }
+}

@@ -1,0 +1,115 @@
+//! The sandbox's root filesystem, assembled inside its own mount namespace.
+//!
+//! Order matters and follows what nsjail and bwrap do: make every inherited mount private (so
+//! nothing propagates back to the host), build the new root on a staging tmpfs, mount the
+//! kernel filesystems inside it, then `pivot_root` and detach the whole host tree. After that the
+//! sandbox has no path to any host file.
+
+use crate::sys;
+use std::fs;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{symlink, DirBuilderExt};
+use std::path::Path;
+
+/// What the new root is made of.
+pub struct RootPlan<'a> {
+    /// Host directory used as the mount point of the staging tmpfs (empty on the host side).
+    pub staging: &'a Path,
+    /// Detached, idmapped, read-only clone of the image tree.
+    pub image: OwnedFd,
+    /// Size of the writable layer, which is also the size of `/tmp`.
+    pub disk_bytes: u64,
+    pub hostname: &'a str,
+}
+
+/// Device nodes bound in from the host's `/dev`: the harmless set every container runtime
+/// provides. A user namespace cannot mknod, and these carry no host state.
+const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
+
+fn mkdir(p: &Path, mode: u32) -> io::Result<()> {
+    match fs::DirBuilder::new().mode(mode).create(p) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
+            Err(io::Error::new(e.kind(), format!("mkdir {}: {e}", p.display())))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Builds the root and pivots into it. Runs as root of the sandbox's user namespace.
+pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
+    sys::make_private_recursive("/")?;
+
+    let st = plan.staging;
+    let disk = plan.disk_bytes;
+    // The writable layer is a size-capped tmpfs private to this mount namespace: it holds no
+    // host disk, reaches ENOSPC at the cap, and disappears with the namespace even if no
+    // teardown code ever runs.
+    sys::mount("cordon-rw", st, "tmpfs", libc::MS_NOATIME, Some(&format!("size={disk},mode=0755")))?;
+    let (upper, work, lower, root) = (st.join("upper"), st.join("work"), st.join("lower"), st.join("root"));
+    for d in [&upper, &work, &lower, &root] {
+        mkdir(d, 0o755)?;
+    }
+    sys::move_mount_to(&plan.image, &lower)?;
+    drop(plan.image);
+    // Relative layer paths (resolved against the staging dir) keep host paths out of the
+    // sandbox's /proc/mounts.
+    sys::chdir(st)?;
+    sys::mount(
+        "cordon-root",
+        Path::new("root"),
+        "overlay",
+        libc::MS_NOATIME,
+        Some("lowerdir=lower,upperdir=upper,workdir=work,userxattr"),
+    )?;
+
+    sys::chdir(&root)?;
+    let here = Path::new(".");
+    for d in ["proc", "dev", "sys", "tmp"] {
+        mkdir(&here.join(d), 0o755)?;
+    }
+    let nosuid_nodev_noexec = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    sys::mount("proc", Path::new("proc"), "proc", nosuid_nodev_noexec, None)?;
+
+    sys::mount("cordon-dev", Path::new("dev"), "tmpfs", libc::MS_NOSUID | libc::MS_NOEXEC, Some("mode=0755,size=64k,nr_inodes=64"))?;
+    for dev in DEVICES {
+        let target = Path::new("dev").join(dev);
+        fs::File::create(&target).map_err(|e| io::Error::new(e.kind(), format!("create {}: {e}", target.display())))?;
+        sys::bind(&Path::new("/dev").join(dev), &target)?;
+    }
+    mkdir(Path::new("dev/pts"), 0o755)?;
+    sys::mount(
+        "devpts",
+        Path::new("dev/pts"),
+        "devpts",
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )?;
+    mkdir(Path::new("dev/shm"), 0o1777)?;
+    sys::mount("shm", Path::new("dev/shm"), "tmpfs", nosuid_nodev_noexec, Some(&format!("mode=1777,size={disk}")))?;
+    for (link, target) in [
+        ("dev/ptmx", "pts/ptmx"),
+        ("dev/fd", "/proc/self/fd"),
+        ("dev/stdin", "/proc/self/fd/0"),
+        ("dev/stdout", "/proc/self/fd/1"),
+        ("dev/stderr", "/proc/self/fd/2"),
+    ] {
+        symlink(target, link).map_err(|e| io::Error::new(e.kind(), format!("symlink {link}: {e}")))?;
+    }
+    sys::mount("tmp", Path::new("tmp"), "tmpfs", libc::MS_NOSUID | libc::MS_NODEV, Some(&format!("mode=1777,size={disk}")))?;
+
+    sys::sethostname(plan.hostname)?;
+    sys::pivot_to_cwd()?;
+    name_host(plan.hostname);
+    Ok(())
+}
+
+/// Makes the sandbox's hostname resolve (sudo and many tools look it up) by adding it to the
+/// sandbox's own /etc/hosts, a write that lands in the writable layer. Images without the file
+/// are left alone.
+fn name_host(hostname: &str) {
+    use std::io::Write;
+    if let Ok(mut f) = fs::OpenOptions::new().append(true).open("/etc/hosts") {
+        let _ = writeln!(f, "127.0.1.1\t{hostname}");
+    }
+}

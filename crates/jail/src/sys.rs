@@ -1,0 +1,365 @@
+//! Thin, checked wrappers over the raw syscalls the jail needs and libc does not wrap.
+//!
+//! Each wrapper turns `-1` into an `io::Error` carrying errno and logs the step at `debug`, so a
+//! failed setup names the exact call that failed.
+
+use std::ffi::{CStr, CString};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+// From <linux/mount.h>; libc does not export these yet.
+pub const OPEN_TREE_CLONE: libc::c_uint = 1;
+pub const OPEN_TREE_CLOEXEC: libc::c_uint = libc::O_CLOEXEC as libc::c_uint;
+pub const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
+pub const MOUNT_ATTR_NODEV: u64 = 0x4;
+pub const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+fn check(ret: libc::c_long, what: &str) -> io::Result<libc::c_long> {
+    if ret < 0 {
+        let e = io::Error::last_os_error();
+        tracing::debug!("{what}: {e}");
+        Err(io::Error::new(e.kind(), format!("{what}: {e}")))
+    } else {
+        tracing::debug!("{what}: ok");
+        Ok(ret)
+    }
+}
+
+pub fn cpath(p: &Path) -> io::Result<CString> {
+    CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, format!("path {} contains NUL", p.display())))
+}
+
+/// `clone(2)` without a new stack: the child continues here like after `fork`, in the namespaces
+/// named by `flags`. Returns 0 in the child.
+///
+/// # Safety
+/// The caller must be single-threaded: the child is a copy of the calling thread only, and any
+/// lock another thread held would stay locked forever in it.
+pub unsafe fn clone_fork(flags: libc::c_int) -> io::Result<libc::pid_t> {
+    // SAFETY: a NULL stack makes the kernel reuse the caller's stack copy-on-write, exactly as
+    // fork does; the caller guarantees single-threadedness (see above).
+    let r = unsafe {
+        libc::syscall(libc::SYS_clone, (flags | libc::SIGCHLD) as libc::c_ulong, 0usize, 0usize, 0usize, 0usize)
+    };
+    check(r, "clone").map(|p| p as libc::pid_t)
+}
+
+pub fn unshare(flags: libc::c_int) -> io::Result<()> {
+    // SAFETY: unshare takes only an integer and affects the calling thread's namespaces.
+    check(unsafe { libc::unshare(flags) } as _, "unshare").map(drop)
+}
+
+pub fn mount(src: &str, target: &Path, fstype: &str, flags: libc::c_ulong, data: Option<&str>) -> io::Result<()> {
+    let src_c = CString::new(src).unwrap_or_default();
+    let fstype_c = CString::new(fstype).unwrap_or_default();
+    let target_c = cpath(target)?;
+    let data_c = data.map(|d| CString::new(d).unwrap_or_default());
+    // SAFETY: every pointer is a valid NUL-terminated string that lives across the call.
+    let r = unsafe {
+        libc::mount(
+            src_c.as_ptr(),
+            target_c.as_ptr(),
+            fstype_c.as_ptr(),
+            flags,
+            data_c.as_ref().map_or(std::ptr::null(), |d| d.as_ptr().cast()),
+        )
+    };
+    check(r as _, &format!("mount {fstype} {src} on {}", target.display())).map(drop)
+}
+
+pub fn bind(src: &Path, target: &Path) -> io::Result<()> {
+    let s = cpath(src)?;
+    let t = cpath(target)?;
+    // SAFETY: valid strings; MS_BIND ignores the fstype and data arguments.
+    let r = unsafe { libc::mount(s.as_ptr(), t.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) };
+    check(r as _, &format!("bind {} on {}", src.display(), target.display())).map(drop)
+}
+
+pub fn make_private_recursive(target: &str) -> io::Result<()> {
+    let t = CString::new(target).unwrap_or_default();
+    // SAFETY: changing propagation needs only the target path.
+    let r = unsafe {
+        libc::mount(std::ptr::null(), t.as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null())
+    };
+    check(r as _, "make / private").map(drop)
+}
+
+/// A detached, recursive clone of the tree at `path`.
+pub fn open_tree_clone(path: &Path) -> io::Result<OwnedFd> {
+    let p = cpath(path)?;
+    // SAFETY: open_tree reads the path string and returns a new fd we take ownership of.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            p.as_ptr(),
+            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as libc::c_uint,
+        )
+    };
+    let fd = check(r, &format!("open_tree {}", path.display()))?;
+    // SAFETY: the kernel just returned this fd to us and nobody else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Applies mount attributes to every mount of a detached tree; with `userns` it becomes an
+/// idmapped mount that shows file owners through that namespace's uid/gid maps.
+pub fn mount_setattr(tree: &OwnedFd, attr_set: u64, userns: Option<&OwnedFd>) -> io::Result<()> {
+    let attr = MountAttr {
+        attr_set,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.map_or(0, |u| u.as_raw_fd() as u64),
+    };
+    let empty = c"";
+    // SAFETY: `attr` is a properly laid out struct mount_attr that outlives the call, and its
+    // size is passed so the kernel reads exactly it.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            (libc::AT_EMPTY_PATH | libc::AT_RECURSIVE) as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    check(r, "mount_setattr").map(drop)
+}
+
+pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> io::Result<()> {
+    let t = cpath(target)?;
+    let empty = c"";
+    // SAFETY: a detached tree fd and a valid target path string.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    check(r, &format!("move_mount to {}", target.display())).map(drop)
+}
+
+/// `pivot_root(".", ".")` then detach the old root, which is stacked on top of the new one.
+pub fn pivot_to_cwd() -> io::Result<()> {
+    let dot = c".";
+    // SAFETY: both arguments are the static string ".".
+    check(unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) }, "pivot_root")?;
+    // SAFETY: as above; MNT_DETACH lazily unmounts the old root stacked on ".".
+    check(unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) } as _, "detach old root")?;
+    let root = c"/";
+    // SAFETY: static path.
+    check(unsafe { libc::chdir(root.as_ptr()) } as _, "chdir /").map(drop)
+}
+
+pub fn chdir(p: &Path) -> io::Result<()> {
+    let c = cpath(p)?;
+    // SAFETY: valid path string.
+    check(unsafe { libc::chdir(c.as_ptr()) } as _, &format!("chdir {}", p.display())).map(drop)
+}
+
+pub fn sethostname(name: &str) -> io::Result<()> {
+    // SAFETY: pointer and length describe `name`'s bytes.
+    check(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) } as _, "sethostname").map(drop)
+}
+
+pub fn become_root() -> io::Result<()> {
+    // SAFETY: plain integer syscalls on the calling process's credentials.
+    unsafe {
+        check(libc::setgroups(0, std::ptr::null()) as _, "setgroups")?;
+        check(libc::setresgid(0, 0, 0) as _, "setresgid")?;
+        check(libc::setresuid(0, 0, 0) as _, "setresuid")?;
+    }
+    Ok(())
+}
+
+pub fn setrlimit(res: libc::__rlimit_resource_t, soft: u64, hard: u64) -> io::Result<()> {
+    let lim = libc::rlimit { rlim_cur: soft, rlim_max: hard };
+    // SAFETY: `lim` is a valid rlimit for the duration of the call.
+    check(unsafe { libc::setrlimit(res, &lim) } as _, "setrlimit").map(drop)
+}
+
+pub fn dup2(from: RawFd, to: RawFd) -> io::Result<()> {
+    // SAFETY: dup2 on integers; `to` is replaced atomically.
+    check(unsafe { libc::dup2(from, to) } as _, "dup2").map(drop)
+}
+
+/// Marks every fd from `first` upward close-on-exec, so nothing of the host leaks into the
+/// sandbox through an inherited descriptor.
+pub fn cloexec_from(first: libc::c_uint) -> io::Result<()> {
+    // SAFETY: integer arguments only.
+    check(
+        unsafe { libc::syscall(libc::SYS_close_range, first, libc::c_uint::MAX, libc::CLOSE_RANGE_CLOEXEC) },
+        "close_range",
+    )
+    .map(drop)
+}
+
+/// `execveat(fd, "", argv, envp, AT_EMPTY_PATH)`: runs the program open at `fd`, which lives
+/// outside the sandbox's root, without it ever being mounted inside.
+pub fn execveat_fd(fd: RawFd, argv: &[CString], envp: &[CString]) -> io::Error {
+    let mut a: Vec<*const libc::c_char> = argv.iter().map(|s| s.as_ptr()).collect();
+    a.push(std::ptr::null());
+    let mut e: Vec<*const libc::c_char> = envp.iter().map(|s| s.as_ptr()).collect();
+    e.push(std::ptr::null());
+    let empty: &CStr = c"";
+    // SAFETY: argv/envp are NULL-terminated arrays of valid strings kept alive by the caller;
+    // on success this call does not return.
+    unsafe { libc::syscall(libc::SYS_execveat, fd, empty.as_ptr(), a.as_ptr(), e.as_ptr(), libc::AT_EMPTY_PATH) };
+    io::Error::last_os_error()
+}
+
+pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
+    // SAFETY: integer arguments; the returned fd is new and ours.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = check(r, "pidfd_open")?;
+    // SAFETY: fresh fd from the kernel.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+pub fn pidfd_kill(pidfd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: a valid pidfd and a signal number; no siginfo.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0usize, 0u32) };
+    match check(r, "pidfd_send_signal") {
+        Ok(_) => Ok(()),
+        // Already dead: the goal is reached.
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Reaps the process behind `pidfd`, blocking when `block` is set. Returns true once reaped.
+pub fn pidfd_reap(pidfd: &OwnedFd, block: bool) -> io::Result<bool> {
+    const P_PIDFD: libc::idtype_t = 3;
+    // SAFETY: zeroed siginfo is a valid output buffer for waitid.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let flags = libc::WEXITED | if block { 0 } else { libc::WNOHANG };
+    loop {
+        // SAFETY: valid pidfd and output pointer.
+        let r = unsafe { libc::waitid(P_PIDFD, pidfd.as_raw_fd() as libc::id_t, &mut info, flags) };
+        if r == 0 {
+            // SAFETY: reading si_pid of a siginfo filled by waitid.
+            return Ok(unsafe { info.si_pid() } != 0 || block);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            // Not our child (e.g. reparented elsewhere) or already reaped.
+            Some(libc::ECHILD) => return Ok(true),
+            _ => return Err(e),
+        }
+    }
+}
+
+pub fn flock_exclusive_nb(fd: &impl AsRawFd) -> io::Result<bool> {
+    // SAFETY: flock on a valid fd.
+    let r = unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// Brings the loopback interface of the current network namespace up.
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: a plain socket used only for the interface ioctls below, closed by OwnedFd.
+    let s = check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) } as _, "socket")?;
+    // SAFETY: fresh fd from the kernel.
+    let sock = unsafe { OwnedFd::from_raw_fd(s as RawFd) };
+    // SAFETY: zeroed ifreq is valid; the name is copied in with its NUL terminator in range.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, b) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *d = *b as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS fills ifr_ifru.ifru_flags of a valid ifreq.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } as _, "SIOCGIFFLAGS lo")?;
+    // SAFETY: the flags union member was just written by the kernel.
+    unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+    // SAFETY: as above, now setting the flags.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } as _, "SIOCSIFFLAGS lo").map(drop)
+}
+
+/// Sends one fd and a byte over a Unix socket.
+pub fn send_fd(sock: &OwnedFd, fd: &OwnedFd) -> io::Result<()> {
+    let byte = [1u8];
+    let mut iov = libc::iovec { iov_base: byte.as_ptr() as *mut _, iov_len: 1 };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: zeroed msghdr, then every pointer set to buffers that outlive sendmsg.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: the control buffer is CMSG_SPACE bytes, large enough for one fd's cmsghdr.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut RawFd, fd.as_raw_fd());
+    }
+    // SAFETY: msg is fully initialised above.
+    check(unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) } as _, "sendmsg fd").map(drop)
+}
+
+/// Receives one fd sent by [`send_fd`]; `Ok(None)` on EOF.
+pub fn recv_fd(sock: &OwnedFd) -> io::Result<Option<OwnedFd>> {
+    let mut byte = [0u8];
+    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
+    // SAFETY: pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: zeroed msghdr pointing at buffers that outlive recvmsg.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: msg is initialised; MSG_CMSG_CLOEXEC keeps the fd from leaking through exec.
+    let n = check(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) } as _, "recvmsg fd")?;
+    if n == 0 {
+        return Ok(None);
+    }
+    // SAFETY: the kernel filled the control buffer; we check the header before reading data.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        if c.is_null() || (*c).cmsg_type != libc::SCM_RIGHTS {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "expected an fd"));
+        }
+        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const RawFd);
+        Ok(Some(OwnedFd::from_raw_fd(fd)))
+    }
+}
+
+pub fn socketpair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: fds is a 2-element output array.
+    check(
+        unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) } as _,
+        "socketpair",
+    )?;
+    // SAFETY: both fds are fresh from the kernel.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}

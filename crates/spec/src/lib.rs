@@ -1,0 +1,241 @@
+//! What a sandbox is, as data: its image, tier, limits, environment and identity.
+//!
+//! Every front end (the `run` flags, the HTTP API, the MCP tools) turns its input into a
+//! [`SandboxSpec`] and calls [`SandboxSpec::validate`]; backends only ever see validated specs.
+//! Nothing here does I/O, so the rules are the same everywhere and testable without root.
+
+mod limits;
+mod parse;
+
+pub use limits::{Limits, DEFAULT_CPUS, DEFAULT_DISK, DEFAULT_MEMORY, DEFAULT_NOFILE, DEFAULT_PIDS, DEFAULT_TIMEOUT};
+pub use parse::{parse_duration, parse_size, format_size};
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::time::Duration;
+
+/// A spec that cannot be run, with the field at fault and what would be accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {field}: {reason}")]
+pub struct SpecError {
+    pub field: &'static str,
+    pub reason: String,
+}
+
+impl SpecError {
+    pub fn new(field: &'static str, reason: impl Into<String>) -> Self {
+        SpecError { field, reason: reason.into() }
+    }
+}
+
+/// The isolation tier a sandbox runs under. One interface, several strengths of boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// Linux namespaces, cgroups and filters over the shared host kernel.
+    #[default]
+    Ns,
+    /// gVisor's user-space kernel (`runsc`).
+    Gvisor,
+    /// A microVM with its own guest kernel.
+    Vm,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Ns, Tier::Gvisor, Tier::Vm];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Ns => "ns",
+            Tier::Gvisor => "gvisor",
+            Tier::Vm => "vm",
+        }
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Tier {
+    type Err = SpecError;
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s.to_ascii_lowercase().as_str() {
+            "ns" | "namespace" | "namespaces" => Ok(Tier::Ns),
+            "gvisor" | "runsc" => Ok(Tier::Gvisor),
+            "vm" | "microvm" => Ok(Tier::Vm),
+            _ => Err(SpecError::new("tier", format!("'{s}' is not a tier: use ns, gvisor or vm"))),
+        }
+    }
+}
+
+/// Everything needed to create one sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    /// Image name in the store (`base` by default).
+    pub image: String,
+    #[serde(default)]
+    pub tier: Tier,
+    #[serde(default)]
+    pub limits: Limits,
+    /// Sandbox-level environment, applied on top of the image's defaults.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Default working directory of commands; `None` means the user's home.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Default user of commands inside the sandbox.
+    #[serde(default = "default_user")]
+    pub user: String,
+}
+
+fn default_user() -> String {
+    "user".to_string()
+}
+
+impl Default for SandboxSpec {
+    fn default() -> Self {
+        SandboxSpec {
+            image: "base".into(),
+            tier: Tier::Ns,
+            limits: Limits::default(),
+            env: Vec::new(),
+            workdir: None,
+            user: default_user(),
+        }
+    }
+}
+
+impl SandboxSpec {
+    /// Checks every field; the first problem found is returned.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        validate_image_name(&self.image)?;
+        self.limits.validate()?;
+        for (k, v) in &self.env {
+            validate_env(k, v)?;
+        }
+        if let Some(w) = &self.workdir {
+            if !w.starts_with('/') {
+                return Err(SpecError::new("workdir", format!("'{w}' is not an absolute path")));
+            }
+            if w.contains('\0') {
+                return Err(SpecError::new("workdir", "contains a NUL byte"));
+            }
+        }
+        validate_user(&self.user)?;
+        Ok(())
+    }
+}
+
+/// Image names are path components in the store, so they are kept to a safe alphabet.
+pub fn validate_image_name(name: &str) -> Result<(), SpecError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(SpecError::new(
+            "image",
+            format!("'{name}' is not an image name: use 1-63 of a-z 0-9 . _ -, starting with a letter or digit"),
+        ))
+    }
+}
+
+/// Parses `K=V` as given to `--env`.
+pub fn parse_env(s: &str) -> Result<(String, String), SpecError> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| SpecError::new("env", format!("'{s}' is not KEY=VALUE")))?;
+    validate_env(k, v)?;
+    Ok((k.to_string(), v.to_string()))
+}
+
+fn validate_env(k: &str, v: &str) -> Result<(), SpecError> {
+    let key_ok = !k.is_empty()
+        && !k.as_bytes()[0].is_ascii_digit()
+        && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    if !key_ok {
+        return Err(SpecError::new(
+            "env",
+            format!("'{k}' is not a variable name: use letters, digits and _, not starting with a digit"),
+        ));
+    }
+    if v.contains('\0') {
+        return Err(SpecError::new("env", format!("the value of {k} contains a NUL byte")));
+    }
+    Ok(())
+}
+
+fn validate_user(u: &str) -> Result<(), SpecError> {
+    let ok = !u.is_empty()
+        && u.len() <= 32
+        && u.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(SpecError::new("user", format!("'{u}' is not a user name")))
+    }
+}
+
+/// The wall-clock limit as a `Duration` (a convenience for callers holding a spec).
+impl SandboxSpec {
+    pub fn timeout(&self) -> Duration {
+        self.limits.timeout
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_spec_is_valid() {
+        SandboxSpec::default().validate().unwrap();
+    }
+
+    #[test]
+    fn image_names() {
+        assert!(validate_image_name("base").is_ok());
+        assert!(validate_image_name("code-interpreter-v1").is_ok());
+        for bad in ["", "../etc", "Base", "a/b", "-x", &"x".repeat(64)] {
+            assert!(validate_image_name(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn env_pairs() {
+        assert_eq!(parse_env("A=b=c").unwrap(), ("A".into(), "b=c".into()));
+        assert_eq!(parse_env("EMPTY=").unwrap(), ("EMPTY".into(), "".into()));
+        let e = parse_env("novalue").unwrap_err();
+        assert!(e.to_string().contains("KEY=VALUE"), "{e}");
+        assert!(parse_env("1X=1").is_err());
+        assert!(parse_env("A-B=1").is_err());
+    }
+
+    #[test]
+    fn tiers_parse() {
+        assert_eq!("ns".parse::<Tier>().unwrap(), Tier::Ns);
+        assert_eq!("gVisor".parse::<Tier>().unwrap(), Tier::Gvisor);
+        assert!("docker".parse::<Tier>().unwrap_err().to_string().contains("ns, gvisor or vm"));
+    }
+
+    #[test]
+    fn workdir_must_be_absolute() {
+        let s = SandboxSpec { workdir: Some("home".into()), ..Default::default() };
+        assert_eq!(s.validate().unwrap_err().field, "workdir");
+    }
+
+    #[test]
+    fn spec_roundtrips_as_json() {
+        let s = SandboxSpec { env: vec![("A".into(), "1".into())], ..Default::default() };
+        let j = serde_json::to_string(&s).unwrap();
+        let back: SandboxSpec = serde_json::from_str(&j).unwrap();
+        assert_eq!(s, back);
+    }
+}
