@@ -42,6 +42,9 @@ const LOSSY_QUEUE: usize = 64;
 /// After the exit status arrives, at most this much already-buffered output is still forwarded;
 /// a grandchild that keeps writing must not postpone the end event forever.
 const DRAIN_LIMIT: usize = 16 << 20;
+/// How long a PTY may stay silent after the exit before its output counts as complete (unless
+/// it reports EOF first, which it does as soon as no one else holds the terminal).
+const PTY_SETTLE: Duration = Duration::from_millis(100);
 
 /// Everything needed to start one process.
 pub(crate) struct SpawnSpec {
@@ -527,16 +530,25 @@ async fn pump(proc: Arc<Proc>, sources: Vec<Source>, mut exit: oneshot::Receiver
         }
     };
 
-    // Whatever the process wrote before exiting is in the pipe buffers by now (the kernel
-    // closes a process's files before it reports the exit), so draining without waiting gets
-    // all of it; what a background grandchild writes later is not this process's output.
+    // Whatever the process wrote to a pipe before exiting is in the pipe buffer by now (the
+    // kernel closes a process's files before it reports the exit), so draining without
+    // waiting gets all of it; what a background grandchild writes later is not this process's
+    // output. A PTY is different: the tty layer hands data to the master side from a kernel
+    // work queue, so its tail may still be in flight; wait briefly for it (or for EOF).
     let mut budget = DRAIN_LIMIT;
     for src in [&mut a, &mut b] {
         while let Some(s) = src.as_ref() {
             if budget == 0 {
                 break;
             }
-            match s.fd.read_now(&mut buf_a) {
+            let r = match s.kind {
+                OutputKind::Pty => match tokio::time::timeout(PTY_SETTLE, s.fd.read(&mut buf_a)).await {
+                    Ok(r) => r,
+                    Err(_) => break,
+                },
+                _ => s.fd.read_now(&mut buf_a),
+            };
+            match r {
                 Ok(0) => *src = None,
                 Ok(n) => {
                     budget = budget.saturating_sub(n);

@@ -61,6 +61,8 @@ pub(crate) struct Watch {
     include_entry: bool,
     users_root: PathBuf,
     buf: Vec<u8>,
+    /// The root watch is gone; the events read with that news have been handed out.
+    ended: bool,
 }
 
 impl Watch {
@@ -96,6 +98,7 @@ impl Watch {
             include_entry: req.include_entry,
             users_root,
             buf: vec![0u8; READ_BUF],
+            ended: false,
         };
         w.root_wd = w
             .add(&path, String::new(), false)
@@ -143,6 +146,9 @@ impl Watch {
     /// Waits for the next batch of events; `None` once the watched directory is gone.
     pub async fn next_events(&mut self) -> io::Result<Option<Vec<FilesystemEvent>>> {
         loop {
+            if self.ended {
+                return Ok(None);
+            }
             let mut buf = std::mem::take(&mut self.buf);
             let r = self.fd.read(&mut buf).await;
             let out = match r {
@@ -150,10 +156,10 @@ impl Watch {
                 Err(e) => Err(e),
             };
             self.buf = buf;
-            match out? {
-                (events, true) => return Ok(if events.is_empty() { None } else { Some(events) }),
-                (events, false) if events.is_empty() => continue,
-                (events, false) => return Ok(Some(events)),
+            let (events, ended) = out?;
+            self.ended = ended;
+            if !events.is_empty() {
+                return Ok(Some(events));
             }
         }
     }

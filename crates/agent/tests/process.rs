@@ -364,9 +364,10 @@ async fn pty_output_input_and_resize() {
     assert!(first.contains("/dev/pts/"), "{first:?}");
     a.client.resize_pty(pid, 120, 40).await.unwrap();
     a.client.send_pty_input(pid, b"go\r").await.unwrap();
-    read_until_stdout(&mut s, "40 120").await;
+    let mut tail = read_until_stdout(&mut s, "40 120").await;
     let rest = s.collect().await.unwrap();
-    assert!(String::from_utf8_lossy(&rest.pty).contains("[xterm-256color]"), "{:?}", String::from_utf8_lossy(&rest.pty));
+    tail.push_str(&String::from_utf8_lossy(&rest.pty));
+    assert!(tail.contains("[xterm-256color]"), "{tail:?}");
     assert_eq!(rest.end.unwrap().exit_code, 0);
 }
 
@@ -409,4 +410,48 @@ async fn orphans_are_reaped_and_statuses_not_mixed_up() {
         let (i, code) = h.await.unwrap();
         assert_eq!(code, i);
     }
+}
+
+#[tokio::test]
+async fn pty_output_is_complete_at_exit() {
+    let a = start_agent().await;
+    for _ in 0..5 {
+        let req = StartRequest {
+            process: Some(ProcessConfig { cmd: "seq".into(), args: vec!["1".into(), "3000".into()], ..Default::default() }),
+            pty: Some(Pty { size: Some(PtySize { cols: 80, rows: 24 }) }),
+            ..Default::default()
+        };
+        let out = a.client.start(req, None, None).await.unwrap().collect().await.unwrap();
+        let text = String::from_utf8_lossy(&out.pty);
+        assert!(text.ends_with("2999\r\n3000\r\n"), "tail: {:?}", &text[text.len().saturating_sub(40)..]);
+        assert!(out.stdout.is_empty() && out.stderr.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn program_is_looked_up_in_path() {
+    let a = start_agent().await;
+    let req = StartRequest {
+        process: Some(ProcessConfig { cmd: "echo".into(), args: vec!["found".into()], ..Default::default() }),
+        stdin: Some(false),
+        ..Default::default()
+    };
+    let out = a.client.start(req, None, None).await.unwrap().collect().await.unwrap();
+    assert_eq!(out.stdout, b"found\n");
+}
+
+#[tokio::test]
+async fn slow_client_slows_the_process_instead_of_buffering() {
+    let a = start_agent().await;
+    let marker = a.dir.join("written");
+    let script = format!("head -c 20000000 /dev/zero; echo done > {}", marker.display());
+    let mut s = a.client.start(bash(&script), None, None).await.unwrap();
+    let pid = expect_start(&mut s).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!marker.exists(), "20 MB went somewhere although nobody read them");
+    assert!(a.client.list().await.unwrap().iter().any(|p| p.pid == pid));
+    let out = s.collect().await.unwrap();
+    assert_eq!(out.stdout.len(), 20_000_000);
+    assert_eq!(out.end.unwrap().exit_code, 0);
+    assert!(marker.exists());
 }

@@ -66,7 +66,17 @@ fn main() -> ExitCode {
         cordon_jail::jailer::main();
     }
 
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind::*;
+            if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
+                e.exit();
+            }
+            eprintln!("cordon: {}", clap_one_line(&e));
+            return ExitCode::from(2);
+        }
+    };
     init_tracing(cli.verbose);
     let state = state::State::new(cli.state_dir);
     let result = match cli.command {
@@ -82,6 +92,18 @@ fn main() -> ExitCode {
             ExitCode::from(code)
         }
     }
+}
+
+/// clap's multi-line usage error as one line: the message and its detail, then where to look.
+fn clap_one_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let msg: Vec<&str> = text.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
+    let msg = msg.join(" ");
+    let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
+    if e.kind() == clap::error::ErrorKind::UnknownArgument && std::env::args().nth(1).as_deref() == Some("run") {
+        return format!("{msg}: put the command after --, as in `cordon run -- python3 -c 'print(1)'`");
+    }
+    format!("{msg} (see --help)")
 }
 
 /// The error and its causes on one line, without repeating a cause already in the message.

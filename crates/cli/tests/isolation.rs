@@ -37,7 +37,7 @@ fn nothing_of_the_host_is_mounted_and_no_host_env_leaks() {
     require_root!();
     let r = cordon()
         .env("CORDON_TEST_LEAK", "leaked-value")
-        .args(["run", "--json", "--user", "root", "--", "bash", "-c", "cat /proc/mounts; echo ===; env; echo ===; ls /sys | wc -l"])
+        .args(["run", "--user", "root", "--", "bash", "-c", "cat /proc/mounts; echo ===; env; echo ===; ls /sys | wc -l"])
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&r.stdout);
@@ -156,11 +156,11 @@ fn concurrent_sandboxes_cannot_see_each_other() {
     ensure_base();
     assert!(wait_until(Duration::from_secs(20), || !host_processes_with(&format!("sleep {marker}")).is_empty()));
     let (a_pid, a_uid) = host_processes_with(&format!("sleep {marker}"))[0];
+    // The token reaches B only through its environment, so B's own command line (visible to
+    // its ps) never contains the names searched for.
     let r = sh(
-        &["--user", "root"],
-        &format!(
-            "ps -eo pid,args; echo ===; id -u; cat /proc/{a_pid}/cmdline 2>&1; find / -xdev -name 'mark-{t}' 2>/dev/null; kill -9 {a_pid} 2>&1; echo end"
-        ),
+        &["--user", "root", "--env", &format!("T={t}")],
+        &format!("ps -eo pid,args; echo ===; cat /proc/{a_pid}/cmdline 2>&1; find / -xdev -name \"mark-$T\" 2>/dev/null; kill -9 {a_pid} 2>&1; echo end"),
     );
     let a_alive = host_processes_with(&format!("sleep {marker}")).iter().any(|(p, _)| *p == a_pid);
     let _ = a.kill();

@@ -96,7 +96,7 @@ fn ctrl_c_tears_everything_down() {
     require_root!();
     ensure_base();
     let marker = format!("{}.{}", 400 + (std::process::id() % 100), 1);
-    let mut child = cordon()
+    let child = cordon()
         .args(["run", "--json", "--", "bash", "-c", &format!("sleep {marker} & sleep {marker}")])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -124,8 +124,21 @@ pub fn assert_clean(id: &str) {
     }
     let run_dir = state_dir().join("run").join(id);
     assert!(!run_dir.exists(), "state {} remains", run_dir.display());
-    for (pid, cgroup) in host_processes().into_iter().map(|p| (p, std::fs::read_to_string(format!("/proc/{p}/cgroup")).unwrap_or_default())) {
-        assert!(!cgroup.contains(id), "process {pid} of sandbox {id} remains");
+    // A zombie holds nothing but its pid; reaping it is its parent's job (the host's init, once
+    // the cordon that owned the sandbox was killed), so only live processes count.
+    let live = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+            .unwrap_or(false)
+    };
+    let in_sandbox = || {
+        host_processes().into_iter().find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cgroup")).unwrap_or_default().contains(id) && live(*p)
+        })
+    };
+    wait_until(std::time::Duration::from_secs(5), || in_sandbox().is_none());
+    if let Some(pid) = in_sandbox() {
+        panic!("process {pid} of sandbox {id} remains");
     }
 }
 
