@@ -35,6 +35,10 @@ async fn upload_download_round_trip() {
     assert_eq!(a.client.download_file("dir/sub/a.bin", None).await.unwrap(), data);
     assert_eq!(a.client.download_file(&expected.display().to_string(), None).await.unwrap(), data);
 
+    let small = a.client.clone().with_max_download(1000);
+    let err = small.download_file("dir/sub/a.bin", None).await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::ResourceExhausted), "{err}");
+
     // Overwrite truncates.
     a.client.upload_file("~/dir/sub/a.bin", None, Bytes::from_static(b"short")).await.unwrap();
     assert_eq!(a.client.download_file("dir/sub/a.bin", None).await.unwrap(), "short");

@@ -444,14 +444,14 @@ async fn program_is_looked_up_in_path() {
 async fn slow_client_slows_the_process_instead_of_buffering() {
     let a = start_agent().await;
     let marker = a.dir.join("written");
-    let script = format!("head -c 20000000 /dev/zero; echo done > {}", marker.display());
+    let script = format!("head -c 8000000 /dev/zero; echo done > {}", marker.display());
     let mut s = a.client.start(bash(&script), None, None).await.unwrap();
     let pid = expect_start(&mut s).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(!marker.exists(), "20 MB went somewhere although nobody read them");
+    assert!(!marker.exists(), "8 MB went somewhere although nobody read them");
     assert!(a.client.list().await.unwrap().iter().any(|p| p.pid == pid));
     let out = s.collect().await.unwrap();
-    assert_eq!(out.stdout.len(), 20_000_000);
+    assert_eq!(out.stdout.len(), 8_000_000);
     assert_eq!(out.end.unwrap().exit_code, 0);
     assert!(marker.exists());
 }

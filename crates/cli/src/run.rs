@@ -172,13 +172,16 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
             agent_env: vec![("CORDON_AGENT_CONFIG".into(), serde_json::to_string(&agent_cfg)?)],
         })
         .context("create sandbox")?;
+    tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let outcome = rt.block_on(drive(&sandbox, &spec, &a.command, &copies));
+    tracing::debug!(elapsed = ?started.elapsed(), "command ended");
     let oom = sandbox.oom_kills() > 0;
     let peak = sandbox.peak_memory();
     let teardown = sandbox.destroy();
     let duration = started.elapsed();
+    tracing::debug!(elapsed = ?duration, "sandbox destroyed");
 
     let (code, reason) = match outcome {
         Ok(Ended::Exited(code)) => (code, Reason::Exit),

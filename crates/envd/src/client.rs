@@ -34,8 +34,10 @@ use crate::process::{
     SendSignalRequest, SendSignalResponse, Signal, StartRequest, StartResponse, UpdateRequest, UpdateResponse,
 };
 
-/// Largest response message or unary body the client accepts.
+/// Largest response message or unary body the client accepts: the agent is untrusted.
 const MAX_MESSAGE: usize = 64 << 20;
+/// Default limit of [`EnvdClient::download_file`].
+pub const DEFAULT_MAX_DOWNLOAD: usize = 1 << 30;
 
 /// `Authorization` value selecting `user`, the way the E2B SDK spells it.
 pub fn basic_auth(user: &str) -> String {
@@ -47,12 +49,19 @@ pub fn basic_auth(user: &str) -> String {
 #[derive(Clone, Debug)]
 pub struct EnvdClient {
     socket: PathBuf,
+    max_download: usize,
 }
 
 impl EnvdClient {
     /// A client for the agent listening on `socket`.
     pub fn new(socket: PathBuf) -> Self {
-        Self { socket }
+        Self { socket, max_download: DEFAULT_MAX_DOWNLOAD }
+    }
+
+    /// Sets the largest file [`EnvdClient::download_file`] reads into memory.
+    pub fn with_max_download(mut self, bytes: usize) -> Self {
+        self.max_download = bytes;
+        self
     }
 
     /// The socket path.
@@ -271,7 +280,7 @@ impl EnvdClient {
         serde_json::from_slice(&bytes).map_err(|e| Error::Protocol(format!("bad /files response: {e}")))
     }
 
-    /// Reads a whole file (`GET /files`).
+    /// Reads a whole file (`GET /files`); larger than the download limit is `resource_exhausted`.
     pub async fn download_file(&self, path: &str, user: Option<&str>) -> Result<Bytes> {
         let uri = files_uri(path, user);
         let req = Self::request(Method::GET, &uri, None, None)?
@@ -279,7 +288,15 @@ impl EnvdClient {
             .map_err(|e| Error::Protocol(e.to_string()))?;
         let resp = self.send(req).await?;
         let status = resp.status();
-        let bytes = read_body(resp.into_body(), usize::MAX).await?;
+        let bytes = match read_body(resp.into_body(), self.max_download).await {
+            Err(Error::Protocol(_)) if status == StatusCode::OK => {
+                return Err(Error::Rpc(ConnectError::new(
+                    crate::connect::Code::ResourceExhausted,
+                    format!("{path} is larger than the download limit of {} bytes", self.max_download),
+                )))
+            }
+            r => r?,
+        };
         if status != StatusCode::OK {
             return Err(Error::Rpc(ConnectError::from_response(status.as_u16(), &bytes)));
         }

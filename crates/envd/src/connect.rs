@@ -387,8 +387,8 @@ impl EnvelopeDecoder {
             return Err(FrameError::TooLarge { len, max: self.max_len });
         }
         if self.buf.len() < ENVELOPE_HEADER_LEN + len {
-            // Reserve now so a large envelope arriving in small chunks does not reallocate often.
-            self.buf.reserve(ENVELOPE_HEADER_LEN + len - self.buf.len());
+            // No reserving ahead for the announced length: a peer could announce the maximum
+            // for every envelope and make us allocate without sending anything.
             return Ok(None);
         }
         let flags = self.buf[0];

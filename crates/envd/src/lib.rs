@@ -14,7 +14,7 @@ mod json;
 pub mod process;
 pub mod timestamp;
 
-pub use client::{basic_auth, EnvdClient, ProcessOutput, ProcessStream, ServerStream};
+pub use client::{basic_auth, EnvdClient, ProcessOutput, ProcessStream, ServerStream, DEFAULT_MAX_DOWNLOAD};
 pub use connect::{Code, ConnectError};
 pub use error::{Error, Result};
 pub use files::WriteInfo;

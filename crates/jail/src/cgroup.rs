@@ -204,7 +204,7 @@ impl Cgroup {
             if start.elapsed() > deadline {
                 return false;
             }
-            std::thread::sleep(Duration::from_millis(2));
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 
@@ -252,9 +252,9 @@ impl Cgroup {
                     Ok(()) => break,
                     Err(e) if e.kind() == io::ErrorKind::NotFound => break,
                     // The last task may still be exiting; the kernel refuses rmdir until then.
-                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 500 => {
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 5000 => {
                         tries += 1;
-                        std::thread::sleep(Duration::from_millis(2));
+                        std::thread::sleep(Duration::from_micros(200));
                     }
                     Err(e) => {
                         first_err.get_or_insert(io::Error::new(e.kind(), format!("rmdir {}: {e}", d.display())));

@@ -46,7 +46,8 @@ pub struct JailerConfig {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JailerReply {
-    Ready { pid: i32 },
+    /// `phases`: microseconds since the jailer started at the end of each step, for tracing.
+    Ready { pid: i32, phases: Vec<(String, u64)> },
     Failed { error: String },
 }
 
@@ -58,7 +59,7 @@ pub fn main() -> ! {
         Ok(_) => match serde_json::from_str::<JailerConfig>(&input) {
             Err(e) => JailerReply::Failed { error: format!("bad jailer config: {e}") },
             Ok(cfg) => match run(&cfg) {
-                Ok(pid) => JailerReply::Ready { pid },
+                Ok((pid, phases)) => JailerReply::Ready { pid, phases },
                 Err(e) => JailerReply::Failed { error: e.to_string() },
             },
         },
@@ -71,13 +72,18 @@ pub fn main() -> ! {
     std::process::exit(if ok { 0 } else { 1 })
 }
 
-fn run(cfg: &JailerConfig) -> io::Result<i32> {
+fn run(cfg: &JailerConfig) -> io::Result<(i32, Vec<(String, u64)>)> {
+    let t0 = std::time::Instant::now();
+    let mut phases = Vec::new();
+    let mut mark = |name: &str| phases.push((name.to_string(), t0.elapsed().as_micros() as u64));
     for procs in &cfg.cgroup_procs {
         fs::write(procs, "0").map_err(|e| io::Error::new(e.kind(), format!("join cgroup {}: {e}", procs.display())))?;
     }
 
+    mark("cgroups joined");
     sys::unshare(libc::CLONE_NEWNET)?;
     sys::loopback_up()?;
+    mark("netns ready");
 
     let _ = fs::remove_file(&cfg.socket);
     let listener = UnixListener::bind(&cfg.socket)
@@ -102,8 +108,12 @@ fn run(cfg: &JailerConfig) -> io::Result<i32> {
     drop(listener);
     drop(exe);
 
+    mark("init cloned");
     match hand_over(cfg, pid, &parent_end) {
-        Ok(()) => Ok(pid),
+        Ok(()) => {
+            mark("agent exec'd");
+            Ok((pid, phases))
+        }
         Err(e) => {
             // SAFETY: pid is our own child, just created.
             unsafe {

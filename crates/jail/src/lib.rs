@@ -180,7 +180,8 @@ impl Jail {
         };
         match jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))? {
             jailer::JailerReply::Failed { error } => Err(JailError::Setup(error)),
-            jailer::JailerReply::Ready { pid } => {
+            jailer::JailerReply::Ready { pid, phases } => {
+                tracing::debug!(id = %cfg.id, ?phases, "jailer done (µs since jailer start)");
                 sb.pid = pid;
                 sb.pidfd = Some(sys::pidfd_open(pid).map_err(io_err("pidfd_open sandbox init"))?);
                 sb.write_record()?;
@@ -277,13 +278,10 @@ impl Sandbox {
         self.torn_down = true;
         self.kill();
         if let Some(fd) = &self.pidfd {
-            // The init is our child when we are a subreaper; reap it so no zombie remains.
-            for _ in 0..2000 {
-                match sys::pidfd_reap(fd, false) {
-                    Ok(true) | Err(_) => break,
-                    Ok(false) => std::thread::sleep(Duration::from_millis(1)),
-                }
-            }
+            // The init of a pid namespace exits only after the kernel has killed and reaped
+            // every other process in it, so once it is reaped the sandbox is empty. It is our
+            // child when we are a subreaper (the usual case): wait for it without polling.
+            let _ = sys::pidfd_reap(fd, true);
         }
         let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
         let removed = self.cgroup.remove();
