@@ -1,10 +1,8 @@
-//! Runs the agent on its own, e.g. to try it by hand:
-//!
-//! ```text
-//! CORDON_AGENT_FD=3 CORDON_AGENT_CONFIG='{"sandbox_id":"x","default_user":"root","workdir":null,"env":[]}' \
-//!     cordon-agent 3<>socket-opened-by-the-caller
-//! ```
-//! (The `cordon` binary normally execs itself under this name.)
+//! Runs the agent on its own, for trying it by hand outside a sandbox. The caller binds and
+//! listens on a Unix socket, passes it as descriptor 3, and sets
+//! `CORDON_AGENT_FD=3` and `CORDON_AGENT_CONFIG='{"sandbox_id":"x","default_user":"root","workdir":null,"env":[]}'`.
+//! Under `unshare --pid --fork` it runs as PID 1, as in a sandbox. (In cordon proper the
+//! `cordon` binary execs itself under the name `cordon-agent` instead.)
 
 fn main() {
     cordon_agent::main()

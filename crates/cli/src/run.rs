@@ -47,6 +47,9 @@ pub struct RunArgs {
     /// Copy a host file or directory in before the command starts (repeatable). Never mounted.
     #[arg(long = "copy", value_name = "HOST:SANDBOX")]
     copy: Vec<String>,
+    /// Allow ptrace and process_vm_* inside the sandbox (debuggers, profilers).
+    #[arg(long)]
+    allow_ptrace: bool,
     /// Print a final JSON record (exit code, reason, duration, peak memory) as the last line of stdout.
     #[arg(long)]
     json: bool,
@@ -99,6 +102,7 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         env,
         workdir: a.workdir.clone(),
         user: a.user.clone(),
+        allow_ptrace: a.allow_ptrace,
     };
     spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
     Ok(spec)
@@ -170,6 +174,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
             rootfs: image.rootfs.clone(),
             limits: spec.limits.clone(),
             agent_env: vec![("CORDON_AGENT_CONFIG".into(), serde_json::to_string(&agent_cfg)?)],
+            allow_ptrace: spec.allow_ptrace,
         })
         .context("create sandbox")?;
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");

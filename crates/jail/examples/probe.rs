@@ -27,6 +27,7 @@ fn main() {
             rootfs: rootfs.into(),
             limits: Default::default(),
             agent_env: vec![("SCRIPT".into(), script)],
+            allow_ptrace: false,
         })
         .unwrap();
     eprintln!("created in {:?}, pid {}, uid base {}", t.elapsed(), sb.host_pid(), sb.uid_base());

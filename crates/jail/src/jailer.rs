@@ -40,6 +40,9 @@ pub struct JailerConfig {
     pub disk_bytes: u64,
     pub nofile: u64,
     pub agent_env: Vec<(String, String)>,
+    /// Whether ptrace and process_vm_* are allowed inside (debuggers, profilers).
+    #[serde(default)]
+    pub allow_ptrace: bool,
 }
 
 /// The jailer's one line of output.
@@ -47,7 +50,7 @@ pub struct JailerConfig {
 #[serde(rename_all = "snake_case")]
 pub enum JailerReply {
     /// `phases`: microseconds since the jailer started at the end of each step, for tracing.
-    Ready { pid: i32, phases: Vec<(String, u64)> },
+    Ready { pid: i32, phases: Vec<(String, u64)>, landlock: String },
     Failed { error: String },
 }
 
@@ -59,7 +62,7 @@ pub fn main() -> ! {
         Ok(_) => match serde_json::from_str::<JailerConfig>(&input) {
             Err(e) => JailerReply::Failed { error: format!("bad jailer config: {e}") },
             Ok(cfg) => match run(&cfg) {
-                Ok((pid, phases)) => JailerReply::Ready { pid, phases },
+                Ok((pid, phases, landlock)) => JailerReply::Ready { pid, phases, landlock },
                 Err(e) => JailerReply::Failed { error: e.to_string() },
             },
         },
@@ -72,7 +75,7 @@ pub fn main() -> ! {
     std::process::exit(if ok { 0 } else { 1 })
 }
 
-fn run(cfg: &JailerConfig) -> io::Result<(i32, Vec<(String, u64)>)> {
+fn run(cfg: &JailerConfig) -> io::Result<(i32, Vec<(String, u64)>, String)> {
     let t0 = std::time::Instant::now();
     let mut phases = Vec::new();
     let mut mark = |name: &str| phases.push((name.to_string(), t0.elapsed().as_micros() as u64));
@@ -110,9 +113,9 @@ fn run(cfg: &JailerConfig) -> io::Result<(i32, Vec<(String, u64)>)> {
 
     mark("init cloned");
     match hand_over(cfg, pid, &parent_end) {
-        Ok(()) => {
+        Ok(landlock) => {
             mark("agent exec'd");
-            Ok((pid, phases))
+            Ok((pid, phases, landlock))
         }
         Err(e) => {
             // SAFETY: pid is our own child, just created.
@@ -126,7 +129,8 @@ fn run(cfg: &JailerConfig) -> io::Result<(i32, Vec<(String, u64)>)> {
 }
 
 /// The jailer's half of the handshake: maps, idmapped image, then wait for exec or an error.
-fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<()> {
+/// Returns the Landlock status the init reported.
+fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<String> {
     let map = format!("0 {} {}\n", cfg.uid_base, cfg.uid_count);
     fs::write(format!("/proc/{pid}/uid_map"), &map)?;
     fs::write(format!("/proc/{pid}/gid_map"), &map)?;
@@ -137,13 +141,24 @@ fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<()> {
     sys::send_fd(sock, &tree)?;
     drop(tree);
 
+    // Messages until EOF: `landlock=<status>` just before exec, or an error. EOF alone (the
+    // close-on-exec socket closing) means the exec happened.
+    let mut landlock = String::from("unknown");
     let mut buf = [0u8; 4096];
-    // SAFETY: reading into a local buffer from our socket end.
-    let n = unsafe { libc::read(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-    match n {
-        0 => Ok(()),
-        n if n > 0 => Err(io::Error::other(String::from_utf8_lossy(&buf[..n as usize]).into_owned())),
-        _ => Err(io::Error::last_os_error()),
+    loop {
+        // SAFETY: reading into a local buffer from our socket end.
+        let n = unsafe { libc::read(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n == 0 {
+            return Ok(landlock);
+        }
+        let msg = String::from_utf8_lossy(&buf[..n as usize]).into_owned();
+        match msg.strip_prefix("landlock=") {
+            Some(status) => landlock = status.to_string(),
+            None => return Err(io::Error::other(msg)),
+        }
     }
 }
 
@@ -196,6 +211,16 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     drop(null);
     sys::dup2(listener, 3)?;
     sys::cloexec_from(4)?;
+
+    // The three filters, in the order that keeps each step permitted by the ones before it.
+    // SAFETY: `exe` is an fd this process owns until exec.
+    let exe_fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(exe) };
+    let landlock = crate::landlock::apply(exe_fd)?;
+    crate::caps::drop_bounding()?;
+    crate::seccomp::apply(cfg.allow_ptrace)?;
+    let status = format!("landlock={landlock:?}").to_lowercase();
+    // SAFETY: writing a local buffer to our socket end.
+    unsafe { libc::write(sock.as_raw_fd(), status.as_ptr().cast(), status.len()) };
 
     let argv = [CString::new("cordon-agent").expect("static")];
     let mut envp = vec![CString::new("CORDON_AGENT_FD=3").expect("static")];

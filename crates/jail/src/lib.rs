@@ -7,9 +7,12 @@
 //! execs `cordon-agent` as the sandbox's PID 1. [`Sandbox`] is the live handle; dropping it
 //! tears everything down.
 
+mod caps;
 pub mod cgroup;
 pub mod jailer;
+mod landlock;
 mod rootfs;
+mod seccomp;
 mod slots;
 mod sys;
 
@@ -59,6 +62,8 @@ pub struct SandboxConfig {
     pub limits: Limits,
     /// Environment given to the agent (its config); the agent clears it for commands.
     pub agent_env: Vec<(String, String)>,
+    /// Allow ptrace and process_vm_* inside (debuggers, profilers); off by default.
+    pub allow_ptrace: bool,
 }
 
 /// What is on disk about a sandbox, enough to reap it after a crash.
@@ -155,6 +160,7 @@ impl Jail {
             pid: 0,
             _lock: lock,
             torn_down: false,
+            landlock: String::new(),
         };
         // From here on, dropping `sb` on any error undoes every step taken so far.
         let slot = self.slots.acquire().ok_or(JailError::NoSlot(self.slots.capacity()))?;
@@ -177,11 +183,13 @@ impl Jail {
             disk_bytes: cfg.limits.disk_bytes,
             nofile: cfg.limits.nofile,
             agent_env: cfg.agent_env.clone(),
+            allow_ptrace: cfg.allow_ptrace,
         };
         match jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))? {
             jailer::JailerReply::Failed { error } => Err(JailError::Setup(error)),
-            jailer::JailerReply::Ready { pid, phases } => {
-                tracing::debug!(id = %cfg.id, ?phases, "jailer done (µs since jailer start)");
+            jailer::JailerReply::Ready { pid, phases, landlock } => {
+                tracing::debug!(id = %cfg.id, ?phases, %landlock, "jailer done (µs since jailer start)");
+                sb.landlock = landlock;
                 sb.pid = pid;
                 sb.pidfd = Some(sys::pidfd_open(pid).map_err(io_err("pidfd_open sandbox init"))?);
                 sb.write_record()?;
@@ -202,9 +210,15 @@ pub struct Sandbox {
     pid: i32,
     _lock: fs::File,
     torn_down: bool,
+    landlock: String,
 }
 
 impl Sandbox {
+    /// How much Landlock the kernel enforced: `full`, `partial` or `none`.
+    pub fn landlock(&self) -> &str {
+        &self.landlock
+    }
+
     pub fn id(&self) -> &str {
         &self.id
     }

@@ -70,6 +70,7 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
     }
     let nosuid_nodev_noexec = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     sys::mount("proc", Path::new("proc"), "proc", nosuid_nodev_noexec, None)?;
+    mask_proc()?;
 
     sys::mount("cordon-dev", Path::new("dev"), "tmpfs", libc::MS_NOSUID | libc::MS_NOEXEC, Some("mode=0755,size=64k,nr_inodes=64"))?;
     for dev in DEVICES {
@@ -101,6 +102,45 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
     sys::sethostname(plan.hostname)?;
     sys::pivot_to_cwd()?;
     name_host(plan.hostname);
+    Ok(())
+}
+
+/// Files of /proc that expose host kernel state, hidden behind /dev/null (Docker's list).
+const MASKED_FILES: [&str; 6] = ["kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug"];
+/// Directories of /proc covered by an empty read-only tmpfs.
+const MASKED_DIRS: [&str; 3] = ["acpi", "asound", "scsi"];
+/// Host-wide knobs that stay readable but not writable.
+const READ_ONLY: [&str; 5] = ["bus", "fs", "irq", "sys", "sysrq-trigger"];
+
+/// Masks the parts of the fresh /proc (relative to the new root's directory) that describe or
+/// control the host rather than the sandbox.
+fn mask_proc() -> io::Result<()> {
+    let proc = Path::new("proc");
+    for f in MASKED_FILES {
+        let p = proc.join(f);
+        if p.exists() {
+            sys::bind(Path::new("/dev/null"), &p)?;
+        }
+    }
+    for d in MASKED_DIRS {
+        let p = proc.join(d);
+        if p.is_dir() {
+            sys::mount("cordon-masked", &p, "tmpfs", libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, Some("size=0,mode=0555"))?;
+        }
+    }
+    for r in READ_ONLY {
+        let p = proc.join(r);
+        if p.exists() {
+            sys::bind(&p, &p)?;
+            sys::mount(
+                "",
+                &p,
+                "",
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                None,
+            )?;
+        }
+    }
     Ok(())
 }
 

@@ -89,6 +89,9 @@ pub struct SandboxSpec {
     /// Default user of commands inside the sandbox.
     #[serde(default = "default_user")]
     pub user: String,
+    /// Allow ptrace and process_vm_* inside (debuggers, profilers). Off by default.
+    #[serde(default)]
+    pub allow_ptrace: bool,
 }
 
 fn default_user() -> String {
@@ -104,6 +107,7 @@ impl Default for SandboxSpec {
             env: Vec::new(),
             workdir: None,
             user: default_user(),
+            allow_ptrace: false,
         }
     }
 }
