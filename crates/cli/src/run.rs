@@ -183,6 +183,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let outcome = rt.block_on(drive(&sandbox, &spec, &a.command, &copies));
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
     let oom = sandbox.oom_kills() > 0;
+    let landlock = sandbox.landlock().to_string();
     let peak = sandbox.peak_memory();
     let teardown = sandbox.destroy();
     let duration = started.elapsed();
@@ -220,6 +221,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
             "duration_ms": duration.as_secs_f64() * 1000.0,
             "peak_memory_bytes": peak,
             "oom_killed": oom,
+            "landlock": landlock,
         });
         println!("{rec}");
     }

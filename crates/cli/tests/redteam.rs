@@ -1,0 +1,158 @@
+//! The red-team suite: escape attempts from inside real sandboxes, as root of the sandbox and as
+//! its user, each checked to have failed the way the policy says, with the host untouched.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+
+const PROBE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/probes/attacks.py");
+
+const EPERM: i64 = 1;
+const EACCES: i64 = 13;
+const EROFS: i64 = 30;
+const ENOSYS: i64 = 38;
+const EPROTONOSUPPORT: i64 = 93;
+const EAFNOSUPPORT: i64 = 97;
+
+/// Syscalls the filter denies; most of them would succeed, or fail differently, without it.
+const DENIED: &[&str] = &[
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "perf_event_open", "userfaultfd",
+    "keyctl", "add_key", "request_key", "kexec_load", "kexec_file_load", "init_module", "finit_module",
+    "delete_module", "open_by_handle_at", "name_to_handle_at", "mount", "umount2", "fsopen", "fsconfig",
+    "fsmount", "fspick", "open_tree", "move_mount", "mount_setattr", "pivot_root", "unshare_user",
+    "unshare_mount", "unshare_net", "setns", "clone_newuser", "ptrace_traceme", "process_vm_readv",
+    "process_vm_writev", "kcmp", "pidfd_getfd", "acct", "swapon", "swapoff", "syslog", "quotactl",
+    "lookup_dcookie", "iopl", "ioperm", "clock_settime", "settimeofday", "adjtimex", "clock_adjtime",
+    "reboot", "personality_read_implies_exec", "personality_addr_no_randomize", "fanotify_init",
+    "modify_ldt", "tiocsti", "tioclinux", "inet_raw", "inet6_raw",
+];
+
+fn probe(flags: &[&str]) -> (Value, Value) {
+    let copy = format!("{PROBE}:/tmp/attacks.py");
+    let mut all = vec!["--copy", &copy];
+    all.extend_from_slice(flags);
+    let r = run(&all, &["python3", "/tmp/attacks.py"]);
+    assert_eq!(r.code, 0, "probe failed: {r:?}");
+    // One JSON line of results, preceded by the chroot probe's line when it could chroot at all.
+    let (mut res, mut chroot) = (Value::Null, Value::Null);
+    for line in r.stdout.lines() {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("bad probe line {line:?}: {e}"));
+        if v.get("chroot_escape_root").is_some() {
+            chroot = v;
+        } else {
+            res = v;
+        }
+    }
+    assert_clean(r.id());
+    (res, chroot)
+}
+
+fn errno(res: &Value, name: &str) -> i64 {
+    res[name].as_i64().unwrap_or_else(|| panic!("probe has no result for {name}: {res}"))
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap()
+}
+
+fn file_hash(path: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::fs::read(path).unwrap().hash(&mut h);
+    h.finish()
+}
+
+#[test]
+fn root_inside_cannot_reach_the_kernel_surface_the_policy_denies() {
+    require_root!();
+    let host_name = hostname();
+    let exe_hash = file_hash(env!("CARGO_BIN_EXE_cordon"));
+    let before = std::time::SystemTime::now();
+    let (res, chroot) = probe(&["--user", "root"]);
+
+    for name in DENIED {
+        assert_eq!(errno(&res, name), EPERM, "{name} was not denied with EPERM: {res}");
+    }
+    assert_eq!(errno(&res, "clone3"), ENOSYS, "clone3 must answer ENOSYS so libc falls back to clone");
+    for fam in ["af_packet", "af_key", "af_alg", "af_vsock"] {
+        assert_eq!(errno(&res, fam), EAFNOSUPPORT, "{fam}: {res}");
+    }
+    for nl in ["af_netlink_audit", "af_netlink_uevent"] {
+        assert_eq!(errno(&res, nl), EPROTONOSUPPORT, "{nl}: {res}");
+    }
+    for ok in ["af_netlink_route", "inet_tcp", "unix"] {
+        assert_eq!(errno(&res, ok), 0, "{ok} should work: {res}");
+    }
+
+    // Host-wide knobs in /proc are read-only, and host kernel state is masked.
+    assert_eq!(errno(&res, "write_proc_sys_hostname"), EROFS);
+    assert_eq!(errno(&res, "write_core_pattern"), EROFS);
+    assert!(errno(&res, "read_kcore") <= 0, "/proc/kcore readable: {res}");
+    assert_eq!(errno(&res, "read_keys"), 0, "/proc/keys not masked: {res}");
+    assert_eq!(errno(&res, "read_timer_list"), 0, "/proc/timer_list not masked: {res}");
+    // The agent binary (the host's cordon) cannot be overwritten through /proc/1/exe.
+    assert_eq!(errno(&res, "overwrite_agent_exe"), EACCES, "{res}");
+    // A block device node, even if root could make one, gives no access.
+    assert!(errno(&res, "read_block_device") < 0, "{res}");
+
+    // Dangerous capabilities are gone from the bounding set.
+    let bnd = res["cap_bnd"].as_u64().unwrap();
+    for (cap, name) in [(21, "SYS_ADMIN"), (12, "NET_ADMIN"), (19, "SYS_PTRACE"), (16, "SYS_MODULE"), (17, "SYS_RAWIO"), (13, "NET_RAW"), (25, "SYS_TIME"), (22, "SYS_BOOT")] {
+        assert_eq!(bnd & (1 << cap), 0, "CAP_{name} left in the bounding set");
+    }
+    assert_eq!(res["seccomp_mode"], 2, "no seccomp filter");
+
+    // The chroot trick ends in the sandbox's own root: nothing of the host is there.
+    let root: Vec<&str> = chroot["chroot_escape_root"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert!(root.contains(&"usr") && !root.contains(&"work"), "chroot escape reached {root:?}");
+
+    // And the host did not notice any of it.
+    assert_eq!(hostname(), host_name, "host hostname changed");
+    assert_eq!(file_hash(env!("CARGO_BIN_EXE_cordon")), exe_hash, "the cordon binary changed");
+    let now = std::time::SystemTime::now();
+    assert!(now >= before && now.duration_since(before).unwrap().as_secs() < 120, "host clock moved");
+}
+
+#[test]
+fn the_unprivileged_user_is_held_by_the_same_policy() {
+    require_root!();
+    let (res, _) = probe(&[]);
+    for name in ["io_uring_setup", "keyctl", "add_key", "unshare_user", "clone_newuser", "name_to_handle_at", "ptrace_traceme", "adjtimex", "personality_read_implies_exec"] {
+        assert_eq!(errno(&res, name), EPERM, "{name} as user: {res}");
+    }
+    assert_eq!(errno(&res, "af_alg"), EAFNOSUPPORT);
+}
+
+#[test]
+fn ptrace_is_opt_in() {
+    require_root!();
+    let (res, _) = probe(&["--allow-ptrace"]);
+    assert_eq!(errno(&res, "ptrace_traceme"), 0, "{res}");
+    assert_eq!(errno(&res, "process_vm_readv"), 0, "{res}");
+    // Everything else stays denied.
+    assert_eq!(errno(&res, "io_uring_setup"), EPERM);
+    assert_eq!(errno(&res, "unshare_user"), EPERM);
+}
+
+#[test]
+fn landlock_is_enforced_and_reported() {
+    require_root!();
+    let r = run(&[], &["true"]);
+    assert_eq!(r.code, 0);
+    let abi = std::fs::read_to_string("/sys/kernel/security/lsm").unwrap_or_default();
+    if !abi.contains("landlock") {
+        eprintln!("skipping: Landlock is not an active LSM on this kernel");
+        return;
+    }
+    assert_eq!(r.record["landlock"], "full", "{r:?}");
+}
+
+#[test]
+fn sudo_still_works_under_the_filters() {
+    require_root!();
+    let r = sh(&[], "sudo -n id -u && sudo -n sh -c 'echo ok > /root/x && cat /root/x'");
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(r.stdout, "0\nok\n");
+    assert!(r.stderr.is_empty(), "sudo complained: {}", r.stderr);
+}
