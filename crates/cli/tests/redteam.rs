@@ -156,3 +156,128 @@ fn sudo_still_works_under_the_filters() {
     assert_eq!(r.stdout, "0\nok\n");
     assert!(r.stderr.is_empty(), "sudo complained: {}", r.stderr);
 }
+
+/// A host marker file and a host marker process, checked after an attack.
+struct HostMarkers {
+    file: std::path::PathBuf,
+    content: String,
+    process: std::process::Child,
+}
+
+impl HostMarkers {
+    fn plant() -> HostMarkers {
+        let t = token();
+        let file = std::path::PathBuf::from(format!("/root/cordon-marker-{t}"));
+        std::fs::write(&file, &t).unwrap();
+        let process = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        HostMarkers { file, content: t, process }
+    }
+
+    fn assert_intact(mut self) {
+        assert_eq!(std::fs::read_to_string(&self.file).unwrap(), self.content, "host marker file changed");
+        assert!(self.process.try_wait().unwrap().is_none(), "host marker process died");
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+        let _ = std::fs::remove_file(&self.file);
+    }
+}
+
+#[test]
+fn kill_everything_as_sandbox_root_only_kills_the_sandbox() {
+    require_root!();
+    let m = HostMarkers::plant();
+    let host_pid = m.process.id();
+    let r = sh(&["--user", "root"], &format!("sleep 30 & kill -9 {host_pid} 2>/dev/null; echo kill_host=$?; kill -9 -1; echo after=$?"));
+    assert!(r.stdout.contains("kill_host=1"), "{r:?}");
+    assert!(r.stdout.contains("after=0"), "kill -1 should succeed inside (on the sandbox's own processes): {r:?}");
+    m.assert_intact();
+    assert_clean(r.id());
+}
+
+#[test]
+fn setuid_escalation_stays_an_unprivileged_host_uid() {
+    require_root!();
+    let marker = format!("{}.{}", 600 + (std::process::id() % 100), 3);
+    let mut child = cordon()
+        .args(["run", "--", "bash", "-c", &format!("sudo -n sleep {marker}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    ensure_base();
+    let seen = wait_until(std::time::Duration::from_secs(20), || {
+        host_processes_with(&format!("sleep {marker}")).iter().any(|(p, _)| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "sleep")
+        })
+    });
+    let procs = host_processes_with(&format!("sleep {marker}"));
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(seen, "sudo'd process not seen");
+    for (pid, uid) in procs {
+        assert!(uid >= 1_000_000_000, "process {pid} escalated to host uid {uid}");
+    }
+}
+
+#[test]
+fn the_user_cannot_ptrace_the_agent_even_with_ptrace_allowed() {
+    require_root!();
+    let script = "import ctypes; l=ctypes.CDLL(None, use_errno=True); r=l.ptrace(16, 1, 0, 0); print(r, ctypes.get_errno())";
+    let r = run(&["--allow-ptrace"], &["python3", "-c", script]);
+    assert_eq!(r.stdout.trim(), "-1 1", "PTRACE_ATTACH to PID 1: {r:?}");
+}
+
+#[test]
+fn cgroup_release_agent_and_host_paths_are_out_of_reach() {
+    require_root!();
+    let m = HostMarkers::plant();
+    let marker_name = m.file.file_name().unwrap().to_string_lossy().into_owned();
+    let r = sh(
+        &["--user", "root", "--env", &format!("M={marker_name}")],
+        "mkdir -p /tmp/cg; mount -t cgroup -o memory cgroup /tmp/cg 2>/dev/null; echo mount=$?; \
+         ls /sys/fs/cgroup 2>/dev/null | wc -l; \
+         ls -d /proc/1/root/../../.. /proc/self/root/../..; \
+         ln -s / /tmp/up; ls /tmp/up/../../../ | tr '\\n' ' '; echo; \
+         find / -xdev -name \"$M\" 2>/dev/null | wc -l; \
+         setsid sleep 100 & (sleep 100 &) ; nohup sleep 100 >/dev/null 2>&1 & echo spawned",
+    );
+    assert!(r.stdout.contains("mount=32"), "cgroup mount inside must fail: {r:?}");
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines[1].trim(), "0", "cgroupfs visible: {r:?}");
+    assert!(!r.stdout.contains("work ") && r.stdout.contains("usr"), "{r:?}");
+    assert_eq!(lines[lines.len() - 2].trim(), "0", "host marker findable: {r:?}");
+    m.assert_intact();
+    assert_clean(r.id());
+}
+
+#[test]
+fn ordinary_work_still_runs_under_every_control() {
+    require_root!();
+    let script = r#"
+set -e
+cd /tmp
+mkdir -p pkg/hello && echo 'def hi(): return "hi from wheel"' > pkg/hello/__init__.py
+printf 'from setuptools import setup\nsetup(name="hello", version="1.0", packages=["hello"])\n' > pkg/setup.py
+pip wheel -q --no-build-isolation --no-index -w wheels ./pkg 2>/dev/null
+pip install -q --user --no-index wheels/hello-1.0-*.whl 2>/dev/null
+python3 -c 'import hello; print(hello.hi())'
+git init -q repo && cd repo && git config user.email a@b && git config user.name a
+echo x > f && git add f && git commit -qm init && git log --oneline | wc -l
+python3 -c '
+import multiprocessing as mp, threading
+def sq(x): return x * x
+with mp.Pool(4) as p: print(sum(p.map(sq, range(100))))
+out = []
+ts = [threading.Thread(target=out.append, args=(i,)) for i in range(16)]
+[t.start() for t in ts]; [t.join() for t in ts]; print(len(out))
+'
+python3 -m venv /tmp/venv && /tmp/venv/bin/python -c 'import sys; print(sys.prefix)'
+if command -v gcc >/dev/null; then echo 'int main(){return 7;}' > t.c && gcc t.c -o t && ./t; echo gcc=$?; else echo "gcc not in image: skipped"; fi
+"#;
+    let r = sh(&[], script);
+    assert_eq!(r.code, 0, "{r:?}");
+    let want = ["hi from wheel", "1", "328350", "16", "/tmp/venv"];
+    for (line, w) in r.stdout.lines().zip(want) {
+        assert_eq!(line, w, "{r:?}");
+    }
+}
