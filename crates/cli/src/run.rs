@@ -50,6 +50,9 @@ pub struct RunArgs {
     /// Allow ptrace and process_vm_* inside the sandbox (debuggers, profilers).
     #[arg(long)]
     allow_ptrace: bool,
+    /// Print a summary of the syscalls the filter denied, at exit.
+    #[arg(long)]
+    audit: bool,
     /// Print a final JSON record (exit code, reason, duration, peak memory) as the last line of stdout.
     #[arg(long)]
     json: bool,
@@ -175,6 +178,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
             limits: spec.limits.clone(),
             agent_env: vec![("CORDON_AGENT_CONFIG".into(), serde_json::to_string(&agent_cfg)?)],
             allow_ptrace: spec.allow_ptrace,
+            audit: true,
         })
         .context("create sandbox")?;
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
@@ -184,6 +188,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
     let oom = sandbox.oom_kills() > 0;
     let landlock = sandbox.landlock().to_string();
+    let denials = sandbox.denials();
     let peak = sandbox.peak_memory();
     let teardown = sandbox.destroy();
     let duration = started.elapsed();
@@ -210,6 +215,20 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
         Reason::SandboxDied => eprintln!("cordon: the sandbox died unexpectedly"),
         _ => {}
     }
+    if a.audit {
+        if denials.is_empty() {
+            eprintln!("cordon: audit: no syscall was denied");
+        } else {
+            let parts: Vec<String> = denials
+                .iter()
+                .map(|d| {
+                    let pids: Vec<String> = d.pids.iter().map(|p| p.to_string()).collect();
+                    format!("{} x{} (pid {})", d.syscall, d.count, pids.join(","))
+                })
+                .collect();
+            eprintln!("cordon: audit: denied {}", parts.join("; "));
+        }
+    }
     if let Err(e) = teardown {
         eprintln!("cordon: warning: teardown: {e}");
     }
@@ -222,6 +241,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
             "peak_memory_bytes": peak,
             "oom_killed": oom,
             "landlock": landlock,
+            "denied_syscalls": denials,
         });
         println!("{rec}");
     }

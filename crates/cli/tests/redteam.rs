@@ -281,3 +281,79 @@ if command -v gcc >/dev/null; then echo 'int main(){return 7;}' > t.c && gcc t.c
         assert_eq!(line, w, "{r:?}");
     }
 }
+
+/// Runs the static probe inside a sandbox and returns its report.
+fn probe_report(flags: &[&str]) -> (Value, String) {
+    let copy = format!("{}:/tmp/cordon-probe", env!("CARGO_BIN_EXE_cordon-probe"));
+    let mut all = vec!["--copy", &copy];
+    all.extend_from_slice(flags);
+    // Files arrive without their mode bits, so the probe is made executable first.
+    let r = sh(&all, "chmod +x /tmp/cordon-probe && /tmp/cordon-probe");
+    assert_eq!(r.code, 0, "{r:?}");
+    let report: Value = serde_json::from_str(r.stdout.trim()).unwrap_or_else(|e| panic!("{e}: {}", r.stdout));
+    (report, r.id().to_string())
+}
+
+#[test]
+fn the_probe_sees_exactly_the_sandbox_it_should() {
+    require_root!();
+    let (p, id) = probe_report(&[]);
+    let uid_map: Vec<u64> = p["uid_map"].as_str().unwrap().split_whitespace().map(|x| x.parse().unwrap()).collect();
+    assert_eq!(uid_map[0], 0);
+    assert!(uid_map[1] >= 1_000_000_000 && uid_map[1] % 65_536 == 1_000_000_000 % 65_536, "{p}");
+    assert_eq!(uid_map[2], 65_536);
+    assert_eq!(p["gid_map"], p["uid_map"]);
+    assert!(p["uid"].as_str().unwrap().starts_with("1000"), "{p}");
+    assert_eq!(p["cap_eff"], "0000000000000000", "the user has capabilities: {p}");
+    assert_eq!(p["cap_amb"], "0000000000000000");
+    let bnd = u64::from_str_radix(p["cap_bnd"].as_str().unwrap(), 16).unwrap();
+    assert_eq!(bnd & (1 << 21), 0, "CAP_SYS_ADMIN in the bounding set");
+    assert_eq!(p["seccomp"], "2");
+    assert_eq!(p["seccomp_filters"], "4", "allowlist plus three errno overrides");
+    assert_eq!(p["no_new_privs"], "0", "no_new_privs is deliberately off (sudo)");
+    assert!(p["landlock_abi"].as_i64().unwrap() >= 1, "{p}");
+    assert_eq!(p["hostname"], id.as_str());
+    assert_eq!(p["interfaces"], serde_json::json!(["lo"]));
+    let pids: Vec<&str> = p["pids"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(pids[0], "1:cordon-agent", "{pids:?}");
+    assert!(pids.iter().all(|p| p.ends_with(":cordon-agent") || p.ends_with(":bash") || p.ends_with(":cordon-probe")), "{pids:?}");
+    for m in p["mounts"].as_array().unwrap() {
+        let fstype = m.as_str().unwrap().split(' ').nth(1).unwrap();
+        assert!(["overlay", "proc", "tmpfs", "devpts", "devtmpfs"].contains(&fstype), "unexpected mount {m}");
+    }
+}
+
+#[test]
+fn the_probe_as_root_has_only_the_documented_capabilities() {
+    require_root!();
+    let (p, _) = probe_report(&["--user", "root"]);
+    let eff = u64::from_str_radix(p["cap_eff"].as_str().unwrap(), 16).unwrap();
+    let documented: u64 = [0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 27, 29, 31].iter().map(|c| 1u64 << c).sum();
+    assert_eq!(eff, documented, "root's capabilities differ from the documented set: {eff:x} vs {documented:x}");
+}
+
+#[test]
+fn denied_syscalls_are_recorded_per_sandbox() {
+    require_root!();
+    let script = "import ctypes; l=ctypes.CDLL(None, use_errno=True)\n\
+                  r=[l.syscall(425, 1, 0) for _ in range(3)] + [l.syscall(321, 0, 0, 0)]\n\
+                  print(r, ctypes.get_errno())";
+    let out = cordon()
+        .args(["run", "--json", "--audit", "--", "python3", "-c", script])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let mut lines = stdout.lines();
+    assert_eq!(lines.next(), Some("[-1, -1, -1, -1] 1"), "the calls must still fail with EPERM: {stdout}");
+    let rec: Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+    let denied = rec["denied_syscalls"].as_array().unwrap();
+    assert_eq!(denied[0]["syscall"], "io_uring_setup", "{rec}");
+    assert_eq!(denied[0]["count"], 3);
+    assert_eq!(denied[1]["syscall"], "bpf");
+    assert_eq!(denied[1]["count"], 1);
+    assert!(stderr.contains("cordon: audit: denied io_uring_setup x3"), "{stderr}");
+    // A clean run records nothing.
+    let r = run(&[], &["true"]);
+    assert_eq!(r.record["denied_syscalls"], serde_json::json!([]), "{r:?}");
+}

@@ -28,6 +28,7 @@ fn main() {
             limits: Default::default(),
             agent_env: vec![("SCRIPT".into(), script)],
             allow_ptrace: false,
+            audit: false,
         })
         .unwrap();
     eprintln!("created in {:?}, pid {}, uid base {}", t.elapsed(), sb.host_pid(), sb.uid_base());

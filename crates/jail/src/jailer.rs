@@ -43,6 +43,9 @@ pub struct JailerConfig {
     /// Whether ptrace and process_vm_* are allowed inside (debuggers, profilers).
     #[serde(default)]
     pub allow_ptrace: bool,
+    /// Whether denied syscalls go to a host-side audit listener (see `audit`).
+    #[serde(default)]
+    pub audit: bool,
 }
 
 /// The jailer's one line of output.
@@ -50,19 +53,26 @@ pub struct JailerConfig {
 #[serde(rename_all = "snake_case")]
 pub enum JailerReply {
     /// `phases`: microseconds since the jailer started at the end of each step, for tracing.
-    Ready { pid: i32, phases: Vec<(String, u64)>, landlock: String },
+    /// `notify_fd`: the jailer's fd number of the seccomp listener, which the host takes with
+    /// pidfd_getfd before letting the jailer exit.
+    Ready { pid: i32, phases: Vec<(String, u64)>, landlock: String, notify_fd: Option<i32> },
     Failed { error: String },
 }
 
 /// Entry point of `cordon __jail`. Never returns.
 pub fn main() -> ! {
     let mut input = String::new();
-    let reply = match io::stdin().read_to_string(&mut input) {
+    let mut keep = None;
+    let reply = match io::stdin().read_line(&mut input) {
         Err(e) => JailerReply::Failed { error: format!("reading jailer config: {e}") },
         Ok(_) => match serde_json::from_str::<JailerConfig>(&input) {
             Err(e) => JailerReply::Failed { error: format!("bad jailer config: {e}") },
             Ok(cfg) => match run(&cfg) {
-                Ok((pid, phases, landlock)) => JailerReply::Ready { pid, phases, landlock },
+                Ok((pid, phases, landlock, listener)) => {
+                    let notify_fd = listener.as_ref().map(|l| l.as_raw_fd());
+                    keep = listener;
+                    JailerReply::Ready { pid, phases, landlock, notify_fd }
+                }
                 Err(e) => JailerReply::Failed { error: e.to_string() },
             },
         },
@@ -72,10 +82,17 @@ pub fn main() -> ! {
     let _ = serde_json::to_writer(&mut out, &reply);
     let _ = out.write_all(b"\n");
     let _ = out.flush();
+    if keep.is_some() {
+        // The host takes the listener from us; EOF on stdin says it has.
+        let _ = io::stdin().read_to_end(&mut Vec::new());
+    }
+    drop(keep);
     std::process::exit(if ok { 0 } else { 1 })
 }
 
-fn run(cfg: &JailerConfig) -> io::Result<(i32, Vec<(String, u64)>, String)> {
+type Ready = (i32, Vec<(String, u64)>, String, Option<OwnedFd>);
+
+fn run(cfg: &JailerConfig) -> io::Result<Ready> {
     let t0 = std::time::Instant::now();
     let mut phases = Vec::new();
     let mut mark = |name: &str| phases.push((name.to_string(), t0.elapsed().as_micros() as u64));
@@ -113,9 +130,9 @@ fn run(cfg: &JailerConfig) -> io::Result<(i32, Vec<(String, u64)>, String)> {
 
     mark("init cloned");
     match hand_over(cfg, pid, &parent_end) {
-        Ok(landlock) => {
+        Ok((landlock, listener)) => {
             mark("agent exec'd");
-            Ok((pid, phases, landlock))
+            Ok((pid, phases, landlock, listener))
         }
         Err(e) => {
             // SAFETY: pid is our own child, just created.
@@ -129,8 +146,8 @@ fn run(cfg: &JailerConfig) -> io::Result<(i32, Vec<(String, u64)>, String)> {
 }
 
 /// The jailer's half of the handshake: maps, idmapped image, then wait for exec or an error.
-/// Returns the Landlock status the init reported.
-fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<String> {
+/// Returns the Landlock status the init reported and, when auditing, the seccomp listener.
+fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<(String, Option<OwnedFd>)> {
     let map = format!("0 {} {}\n", cfg.uid_base, cfg.uid_count);
     fs::write(format!("/proc/{pid}/uid_map"), &map)?;
     fs::write(format!("/proc/{pid}/gid_map"), &map)?;
@@ -141,20 +158,20 @@ fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<String>
     sys::send_fd(sock, &tree)?;
     drop(tree);
 
-    // Messages until EOF: `landlock=<status>` just before exec, or an error. EOF alone (the
-    // close-on-exec socket closing) means the exec happened.
+    // Messages until EOF: the seccomp listener (an fd), `landlock=<status>` just before exec,
+    // or an error. EOF (the close-on-exec socket closing) means the exec happened.
     let mut landlock = String::from("unknown");
-    let mut buf = [0u8; 4096];
+    let mut listener = None;
     loop {
-        // SAFETY: reading into a local buffer from our socket end.
-        let n = unsafe { libc::read(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
+        let (msg, fd) = sys::recv_msg(sock)?;
+        if let Some(fd) = fd {
+            listener = Some(fd);
+            continue;
         }
-        if n == 0 {
-            return Ok(landlock);
+        if msg.is_empty() {
+            return Ok((landlock, listener));
         }
-        let msg = String::from_utf8_lossy(&buf[..n as usize]).into_owned();
+        let msg = String::from_utf8_lossy(&msg).into_owned();
         match msg.strip_prefix("landlock=") {
             Some(status) => landlock = status.to_string(),
             None => return Err(io::Error::other(msg)),
@@ -217,7 +234,11 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     let exe_fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(exe) };
     let landlock = crate::landlock::apply(exe_fd)?;
     crate::caps::drop_bounding()?;
-    crate::seccomp::apply(cfg.allow_ptrace)?;
+    // From here on a denied syscall waits for the audit listener's holder, so nothing below
+    // may make one: sendmsg, write and execveat are all allowed.
+    if let Some(listener) = crate::seccomp::apply(cfg.allow_ptrace, cfg.audit)? {
+        sys::send_fd(sock, &listener)?;
+    }
     let status = format!("landlock={landlock:?}").to_lowercase();
     // SAFETY: writing a local buffer to our socket end.
     unsafe { libc::write(sock.as_raw_fd(), status.as_ptr().cast(), status.len()) };
@@ -230,8 +251,10 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     Err(sys::execveat_fd(exe, &argv, &envp))
 }
 
-/// Runs a jailer as a child of the current process and waits for its reply.
-pub(crate) fn spawn(exe: &std::path::Path, cfg: &JailerConfig) -> io::Result<JailerReply> {
+/// Runs a jailer as a child of the current process and waits for its reply; takes the seccomp
+/// listener from it when there is one.
+pub(crate) fn spawn(exe: &std::path::Path, cfg: &JailerConfig) -> io::Result<(JailerReply, Option<OwnedFd>)> {
+    use std::io::BufRead;
     use std::process::{Command, Stdio};
     let mut child = Command::new(exe)
         .arg("__jail")
@@ -241,17 +264,27 @@ pub(crate) fn spawn(exe: &std::path::Path, cfg: &JailerConfig) -> io::Result<Jai
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| io::Error::new(e.kind(), format!("start jailer {}: {e}", exe.display())))?;
-    let input = serde_json::to_vec(cfg).map_err(io::Error::other)?;
-    child.stdin.take().expect("piped").write_all(&input)?;
-    let mut out = String::new();
-    child.stdout.take().expect("piped").read_to_string(&mut out)?;
+    let mut input = serde_json::to_vec(cfg).map_err(io::Error::other)?;
+    input.push(b'\n');
+    let mut stdin = child.stdin.take().expect("piped");
+    stdin.write_all(&input)?;
+    let mut line = String::new();
+    io::BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
+    let reply = serde_json::from_str::<JailerReply>(line.trim());
+    let mut listener = None;
+    if let Ok(JailerReply::Ready { notify_fd: Some(fd), .. }) = &reply {
+        let pidfd = sys::pidfd_open(child.id() as i32)?;
+        listener = Some(sys::pidfd_getfd(&pidfd, *fd)?);
+    }
+    drop(stdin);
     let mut err = String::new();
     let _ = child.stderr.take().expect("piped").read_to_string(&mut err);
     let status = child.wait()?;
-    match serde_json::from_str::<JailerReply>(out.trim()) {
-        Ok(r) => Ok(r),
-        Err(_) => Ok(JailerReply::Failed {
-            error: format!("jailer exited with {status} without a reply: {}", err.trim()),
-        }),
+    match reply {
+        Ok(r) => Ok((r, listener)),
+        Err(_) => Ok((
+            JailerReply::Failed { error: format!("jailer exited with {status} without a reply: {}", err.trim()) },
+            None,
+        )),
     }
 }

@@ -7,6 +7,7 @@
 //! execs `cordon-agent` as the sandbox's PID 1. [`Sandbox`] is the live handle; dropping it
 //! tears everything down.
 
+pub mod audit;
 mod caps;
 pub mod cgroup;
 pub mod jailer;
@@ -64,6 +65,8 @@ pub struct SandboxConfig {
     pub agent_env: Vec<(String, String)>,
     /// Allow ptrace and process_vm_* inside (debuggers, profilers); off by default.
     pub allow_ptrace: bool,
+    /// Record every denied syscall (see [`audit`]).
+    pub audit: bool,
 }
 
 /// What is on disk about a sandbox, enough to reap it after a crash.
@@ -161,6 +164,7 @@ impl Jail {
             _lock: lock,
             torn_down: false,
             landlock: String::new(),
+            audit: None,
         };
         // From here on, dropping `sb` on any error undoes every step taken so far.
         let slot = self.slots.acquire().ok_or(JailError::NoSlot(self.slots.capacity()))?;
@@ -184,10 +188,15 @@ impl Jail {
             nofile: cfg.limits.nofile,
             agent_env: cfg.agent_env.clone(),
             allow_ptrace: cfg.allow_ptrace,
+            audit: cfg.audit,
         };
-        match jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))? {
+        let (reply, listener) = jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))?;
+        if let Some(l) = listener {
+            sb.audit = Some(audit::supervise(l, &cfg.id).map_err(io_err("start audit thread"))?);
+        }
+        match reply {
             jailer::JailerReply::Failed { error } => Err(JailError::Setup(error)),
-            jailer::JailerReply::Ready { pid, phases, landlock } => {
+            jailer::JailerReply::Ready { pid, phases, landlock, .. } => {
                 tracing::debug!(id = %cfg.id, ?phases, %landlock, "jailer done (µs since jailer start)");
                 sb.landlock = landlock;
                 sb.pid = pid;
@@ -211,9 +220,15 @@ pub struct Sandbox {
     _lock: fs::File,
     torn_down: bool,
     landlock: String,
+    audit: Option<audit::Trail>,
 }
 
 impl Sandbox {
+    /// The syscalls the filter denied so far, when the sandbox was created with `audit`.
+    pub fn denials(&self) -> Vec<audit::Denial> {
+        self.audit.as_ref().map(|a| a.denials()).unwrap_or_default()
+    }
+
     /// How much Landlock the kernel enforced: `full`, `partial` or `none`.
     pub fn landlock(&self) -> &str {
         &self.landlock

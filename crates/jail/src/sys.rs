@@ -324,6 +324,44 @@ pub fn send_fd(sock: &OwnedFd, fd: &OwnedFd) -> io::Result<()> {
     check(unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) } as _, "sendmsg fd").map(drop)
 }
 
+/// Receives one message, with the fd it carries if any; an empty message means EOF.
+pub fn recv_msg(sock: &OwnedFd) -> io::Result<(Vec<u8>, Option<OwnedFd>)> {
+    let mut data = vec![0u8; 4096];
+    let mut iov = libc::iovec { iov_base: data.as_mut_ptr().cast(), iov_len: data.len() };
+    // SAFETY: pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: zeroed msghdr pointing at buffers that outlive recvmsg.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: msg is initialised; MSG_CMSG_CLOEXEC keeps the fd from leaking through exec.
+    let n = check(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) } as _, "recvmsg")?;
+    data.truncate(n as usize);
+    // SAFETY: the kernel filled the control buffer; the header is checked before the data.
+    let fd = unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        if c.is_null() || (*c).cmsg_type != libc::SCM_RIGHTS {
+            None
+        } else {
+            Some(OwnedFd::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const RawFd)))
+        }
+    };
+    // A message carrying an fd has only send_fd's marker byte as data: report the fd alone.
+    Ok((if fd.is_some() { Vec::new() } else { data }, fd))
+}
+
+/// Duplicates fd `target` of the process behind `pidfd` into this process.
+pub fn pidfd_getfd(pidfd: &OwnedFd, target: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: integer arguments; the returned fd is new and ours.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0u32) };
+    let fd = check(r, "pidfd_getfd")?;
+    // SAFETY: fresh fd from the kernel.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
 /// Receives one fd sent by [`send_fd`]; `Ok(None)` on EOF.
 pub fn recv_fd(sock: &OwnedFd) -> io::Result<Option<OwnedFd>> {
     let mut byte = [0u8];
