@@ -315,8 +315,9 @@ fn the_probe_sees_exactly_the_sandbox_it_should() {
     assert_eq!(p["hostname"], id.as_str());
     assert_eq!(p["interfaces"], serde_json::json!(["lo"]));
     let pids: Vec<&str> = p["pids"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-    assert_eq!(pids[0], "1:cordon-agent", "{pids:?}");
-    assert!(pids.iter().all(|p| p.ends_with(":cordon-agent") || p.ends_with(":bash") || p.ends_with(":cordon-probe")), "{pids:?}");
+    // PID 1 is the agent: the cordon binary (its comm is the file name it was exec'd from).
+    assert_eq!(pids[0], "1:cordon", "{pids:?}");
+    assert!(pids[1..].iter().all(|p| p.ends_with(":bash") || p.ends_with(":cordon-probe")), "{pids:?}");
     for m in p["mounts"].as_array().unwrap() {
         let fstype = m.as_str().unwrap().split(' ').nth(1).unwrap();
         assert!(["overlay", "proc", "tmpfs", "devpts", "devtmpfs"].contains(&fstype), "unexpected mount {m}");
