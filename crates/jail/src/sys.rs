@@ -364,30 +364,10 @@ pub fn pidfd_getfd(pidfd: &OwnedFd, target: RawFd) -> io::Result<OwnedFd> {
 
 /// Receives one fd sent by [`send_fd`]; `Ok(None)` on EOF.
 pub fn recv_fd(sock: &OwnedFd) -> io::Result<Option<OwnedFd>> {
-    let mut byte = [0u8];
-    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
-    // SAFETY: pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u8; space];
-    // SAFETY: zeroed msghdr pointing at buffers that outlive recvmsg.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = space;
-    // SAFETY: msg is initialised; MSG_CMSG_CLOEXEC keeps the fd from leaking through exec.
-    let n = check(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) } as _, "recvmsg fd")?;
-    if n == 0 {
-        return Ok(None);
-    }
-    // SAFETY: the kernel filled the control buffer; we check the header before reading data.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        if c.is_null() || (*c).cmsg_type != libc::SCM_RIGHTS {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "expected an fd"));
-        }
-        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const RawFd);
-        Ok(Some(OwnedFd::from_raw_fd(fd)))
+    match recv_msg(sock)? {
+        (_, Some(fd)) => Ok(Some(fd)),
+        (data, None) if data.is_empty() => Ok(None),
+        (_, None) => Err(io::Error::new(io::ErrorKind::InvalidData, "expected an fd")),
     }
 }
 
