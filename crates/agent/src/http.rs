@@ -18,7 +18,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
 
-use crate::{files, filesystem, process_service, rpc, Agent};
+use crate::{files, filesystem, forward, process_service, rpc, Agent};
 
 /// Response bodies: a complete buffer, or a stream of chunks from a task.
 pub(crate) enum Body {
@@ -113,7 +113,7 @@ pub(crate) async fn run(listener: UnixListener, agent: Arc<Agent>) -> std::io::R
                 async move { Ok::<_, Infallible>(route(agent, req).await) }
             });
             // Connection errors (a client hanging up mid-stream) only concern that connection.
-            let _ = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(stream), service).await;
+            let _ = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(stream), service).with_upgrades().await;
         });
     }
 }
@@ -127,6 +127,9 @@ fn is_transient(e: &std::io::Error) -> bool {
 
 async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
+    if path.starts_with(forward::PREFIX) {
+        return forward::handle(req).await;
+    }
     match path.as_str() {
         "/health" => match *req.method() {
             Method::GET | Method::HEAD => Response::builder()

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 mod fdio;
 mod files;
 mod filesystem;
+mod forward;
 mod http;
 mod process;
 mod process_service;

@@ -9,6 +9,7 @@ mod doctor;
 mod image_cmd;
 mod progress;
 mod run;
+mod serve;
 mod state;
 
 use clap::{Parser, Subcommand};
@@ -38,6 +39,8 @@ enum Command {
     Image(image_cmd::ImageCmd),
     /// Check every kernel feature and tool cordon uses, and say how to fix what is missing.
     Doctor,
+    /// Serve the E2B API (control plane and sandbox traffic) on one port.
+    Serve(serve::ServeArgs),
 }
 
 /// An error the user caused (bad flag, unknown image): exit code 2.
@@ -77,12 +80,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    init_tracing(cli.verbose);
+    // A server's operator reads its sandbox events, so `serve` logs at info level by default.
+    init_tracing(if matches!(cli.command, Command::Serve(_)) { cli.verbose.max(1) } else { cli.verbose });
     let state = state::State::new(cli.state_dir);
     let result = match cli.command {
         Command::Run(a) => run::main(&state, a),
         Command::Image(c) => image_cmd::main(&state, c).map(|()| 0),
         Command::Doctor => doctor::main(&state),
+        Command::Serve(a) => serve::main(&state, a),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -1,0 +1,357 @@
+//! The control plane: the REST endpoints the SDK's `Sandbox.create/connect/kill/set_timeout/
+//! get_info/list/get_metrics` call.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use cordon_envd::Timestamp;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::header::HeaderValue;
+use hyper::{Method, Request, Response, StatusCode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::{json_response, ApiError};
+use crate::registry::{Entry, NewSandbox, MAX_TIMEOUT_SECS};
+use crate::{auth, query, App, Body};
+
+/// Largest control-plane request body.
+const MAX_BODY: usize = 1 << 20;
+/// E2B's default sandbox lifetime.
+pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
+/// Most items per list page.
+const MAX_LIMIT: usize = 100;
+
+/// Resource defaults when a create names none: the same caps as `cordon run`.
+const DEFAULT_CPUS: u32 = 1;
+const DEFAULT_MEMORY_MB: u64 = cordon_spec::DEFAULT_MEMORY >> 20;
+const DEFAULT_DISK_MB: u64 = cordon_spec::DEFAULT_DISK >> 20;
+
+pub async fn handle(app: &Arc<App>, req: Request<Incoming>) -> Response<Body> {
+    match route(app, req).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let path = req.uri().path().trim_end_matches('/').to_string();
+    let method = req.method().clone();
+    if path.is_empty() || path == "/health" {
+        return match method {
+            Method::GET | Method::HEAD => Ok(json_response(StatusCode::OK, &json!({"status": "ok"}))),
+            _ => Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "use GET")),
+        };
+    }
+    let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()).unwrap_or("");
+    if !auth::ct_eq(key, &app.api_key) {
+        return Err(ApiError::unauthorized(if key.is_empty() {
+            "missing API key: send it in the X-API-KEY header"
+        } else {
+            "invalid API key"
+        }));
+    }
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let segs = match segs.as_slice() {
+        ["v2", rest @ ..] => (true, rest.to_vec()),
+        rest => (false, rest.to_vec()),
+    };
+    match (&method, segs.0, segs.1.as_slice()) {
+        (&Method::POST, _, ["sandboxes"]) => create(app, req).await,
+        (&Method::GET, _, ["sandboxes"]) => list(app, req.uri().query()),
+        (&Method::GET, false, ["sandboxes", id]) => detail(app, id),
+        (&Method::DELETE, false, ["sandboxes", id]) => kill(app, id).await,
+        (&Method::POST, false, ["sandboxes", id, "timeout"]) => {
+            let id = id.to_string();
+            set_timeout(app, &id, req).await
+        }
+        (&Method::POST, _, ["sandboxes", id, "connect"]) => {
+            let id = id.to_string();
+            connect(app, &id, req).await
+        }
+        (&Method::GET, false, ["sandboxes", id, "metrics"]) => metrics(app, id),
+        (_, false, ["sandboxes", _, op @ ("pause" | "resume" | "snapshots" | "fork" | "network" | "refreshes")]) => Err(
+            ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("'{op}' is not supported by cordon: sandboxes run until killed or timed out")).no_retry(),
+        ),
+        _ => Err(ApiError::not_found(format!("no API endpoint {method} {path}"))),
+    }
+}
+
+async fn read_json<T: for<'de> Deserialize<'de>>(req: Request<Incoming>, empty_ok: bool) -> Result<T, ApiError> {
+    let body: Bytes = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body exceeds {MAX_BODY} bytes")))
+        }
+        Err(e) => return Err(ApiError::bad_request(format!("cannot read the request body: {e}"))),
+    };
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) && empty_ok { b"{}" } else { &body };
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+/// `NewSandbox` (≤2.49) and `NewSandboxV2` (2.52+), plus cordon's extensions.
+#[derive(Deserialize)]
+struct CreateBody {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<i64>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(rename = "envVars", default)]
+    env_vars: Option<BTreeMap<String, String>>,
+    #[serde(rename = "cpuCount")]
+    cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB")]
+    memory_mb: Option<u64>,
+    #[serde(rename = "diskSizeMB")]
+    disk_mb: Option<u64>,
+    tier: Option<String>,
+}
+
+fn timeout_from(t: Option<i64>, default: u64) -> Result<Duration, ApiError> {
+    match t {
+        None => Ok(Duration::from_secs(default)),
+        Some(t) if t >= 0 && (t as u64) <= MAX_TIMEOUT_SECS => Ok(Duration::from_secs(t as u64)),
+        Some(t) => Err(ApiError::bad_request(format!("timeout {t} is out of range: use 0 to {MAX_TIMEOUT_SECS} seconds"))),
+    }
+}
+
+async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let b: CreateBody = read_json(req, false).await?;
+    match b.tier.as_deref() {
+        None | Some("ns") => {}
+        Some(t) => {
+            return Err(ApiError::bad_request(format!(
+                "tier '{t}' is not available: this build of cordon has only the 'ns' tier"
+            )))
+        }
+    }
+    let template = b.template_id.filter(|t| !t.is_empty()).unwrap_or_else(|| "base".to_string());
+    if cordon_image::validate_name(&template).is_err() {
+        return Err(ApiError::bad_request(format!("template '{template}' is not a valid image name")));
+    }
+    let cpu_count = b.cpu_count.unwrap_or(DEFAULT_CPUS);
+    if cpu_count == 0 || cpu_count > 1024 {
+        return Err(ApiError::bad_request(format!("cpuCount {cpu_count} is out of range: use 1 to 1024")));
+    }
+    let memory_mb = b.memory_mb.unwrap_or(DEFAULT_MEMORY_MB);
+    let disk_mb = b.disk_mb.unwrap_or(DEFAULT_DISK_MB);
+    if memory_mb > 1 << 30 || disk_mb > 1 << 30 {
+        return Err(ApiError::bad_request("memoryMB and diskSizeMB must be below 2^30"));
+    }
+    let limits = cordon_spec::Limits {
+        memory_bytes: memory_mb << 20,
+        cpus: cpu_count as f64,
+        disk_bytes: disk_mb << 20,
+        ..Default::default()
+    };
+    if let Err(e) = limits.validate() {
+        let field = match e.field {
+            "memory" => "memoryMB",
+            "disk" => "diskSizeMB",
+            "cpus" => "cpuCount",
+            f => f,
+        };
+        return Err(ApiError::bad_request(format!("{field}: {}", e.reason)));
+    }
+    let entry = app
+        .sandboxes
+        .create(NewSandbox {
+            template,
+            timeout: timeout_from(b.timeout, DEFAULT_TIMEOUT_SECS)?,
+            metadata: b.metadata.unwrap_or_default(),
+            env_vars: b.env_vars.unwrap_or_default(),
+            cpu_count,
+            memory_mb,
+            disk_mb,
+        })
+        .await?;
+    Ok(json_response(StatusCode::CREATED, &sandbox_json(&entry)))
+}
+
+fn iso(t: SystemTime) -> String {
+    Timestamp::from_system_time(t).to_rfc3339()
+}
+
+/// The `Sandbox` model (create/connect answers).
+pub fn sandbox_json(e: &Entry) -> Value {
+    json!({
+        "templateID": e.template,
+        "sandboxID": e.id,
+        "clientID": "cordon",
+        "alias": e.template,
+        "envdVersion": e.envd_version,
+        "envdAccessToken": e.token,
+        "trafficAccessToken": null,
+        "domain": null,
+    })
+}
+
+/// `SandboxDetail` / `ListedSandbox`.
+pub fn detail_json(e: &Entry) -> Value {
+    json!({
+        "templateID": e.template,
+        "sandboxID": e.id,
+        "clientID": "cordon",
+        "alias": e.template,
+        "startedAt": iso(e.started_at),
+        "endAt": iso(e.end_at()),
+        "envdVersion": e.envd_version,
+        "envdAccessToken": e.token,
+        "cpuCount": e.cpu_count,
+        "memoryMB": e.memory_mb,
+        "diskSizeMB": e.disk_mb,
+        "state": "running",
+        "metadata": e.metadata,
+        "domain": null,
+        "lifecycle": {"autoResume": false, "onTimeout": "kill"},
+    })
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::not_found(format!("sandbox {id} not found"))
+}
+
+fn detail(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
+    let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
+    Ok(json_response(StatusCode::OK, &detail_json(&e)))
+}
+
+async fn kill(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
+    if !app.sandboxes.remove(id, "killed by the API").await {
+        return Err(not_found(id));
+    }
+    Ok(empty(StatusCode::NO_CONTENT))
+}
+
+fn empty(status: StatusCode) -> Response<Body> {
+    let mut r = Response::new(crate::full(Bytes::new()));
+    *r.status_mut() = status;
+    r
+}
+
+#[derive(Deserialize)]
+struct TimeoutBody {
+    timeout: i64,
+}
+
+async fn set_timeout(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let b: TimeoutBody = read_json(req, false).await?;
+    let t = timeout_from(Some(b.timeout), 0)?;
+    app.sandboxes.set_timeout(id, t).ok_or_else(|| not_found(id))?;
+    Ok(empty(StatusCode::NO_CONTENT))
+}
+
+#[derive(Deserialize, Default)]
+struct ConnectBody {
+    timeout: Option<i64>,
+}
+
+async fn connect(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let b: ConnectBody = read_json(req, true).await?;
+    let e = match b.timeout {
+        Some(t) => app.sandboxes.extend(id, timeout_from(Some(t), 0)?),
+        None => app.sandboxes.get(id),
+    };
+    // The SDK's message for a 404 here speaks of a paused sandbox; ours says what happened.
+    let e = e.ok_or_else(|| not_found(id))?;
+    Ok(json_response(StatusCode::OK, &sandbox_json(&e)))
+}
+
+fn metrics(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
+    let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
+    let now = SystemTime::now();
+    let unix = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let m = json!({
+        "timestamp": iso(now),
+        "timestampUnix": unix,
+        "cpuCount": e.cpu_count,
+        "cpuUsedPct": 0.0,
+        "memUsed": e.memory_current(),
+        "memTotal": e.memory_mb << 20,
+        "memCache": 0,
+        "diskUsed": 0,
+        "diskTotal": e.disk_mb << 20,
+    });
+    Ok(json_response(StatusCode::OK, &json!([m])))
+}
+
+/// Page order: oldest first, ties broken by id, so that a token names a stable position.
+fn sort_key(e: &Entry) -> (u128, String) {
+    (e.started_at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()), e.id.clone())
+}
+
+fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
+    let filter = match query::get(q, "metadata") {
+        Some(m) => query::metadata_filter(&m).map_err(ApiError::bad_request)?,
+        None => Vec::new(),
+    };
+    // `state` may come comma-joined or repeated, depending on the client.
+    let states: Vec<String> = query::pairs(q).into_iter().filter(|(k, _)| k == "state").map(|(_, v)| v).collect();
+    let want_running = match states.is_empty() {
+        true => true,
+        false => {
+            let states: Vec<&str> = states.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()).collect();
+            if let Some(bad) = states.iter().find(|s| !matches!(**s, "running" | "paused")) {
+                return Err(ApiError::bad_request(format!("state '{bad}' is unknown: use running or paused")));
+            }
+            states.is_empty() || states.contains(&"running")
+        }
+    };
+    let limit = match query::get(q, "limit") {
+        None => MAX_LIMIT,
+        Some(l) => match l.parse::<usize>() {
+            Ok(n) if (1..=MAX_LIMIT).contains(&n) => n,
+            _ => return Err(ApiError::bad_request(format!("limit {l:?} is out of range: use 1 to {MAX_LIMIT}"))),
+        },
+    };
+    let after = match query::get(q, "nextToken").filter(|t| !t.is_empty()) {
+        None => None,
+        Some(t) => {
+            let parsed = t.split_once('_').and_then(|(n, id)| Some((n.parse::<u128>().ok()?, id.to_string())));
+            Some(parsed.ok_or_else(|| ApiError::bad_request(format!("nextToken {t:?} is not one this server issued")))?)
+        }
+    };
+    let template = query::get(q, "template");
+    let started_after = match query::get(q, "startedAfter") {
+        None => None,
+        Some(t) => Some(
+            Timestamp::parse_rfc3339(&t)
+                .map_err(|e| ApiError::bad_request(format!("startedAfter {t:?} is not an ISO 8601 time: {e}")))?
+                .to_system_time(),
+        ),
+    };
+    let mut items: Vec<Arc<Entry>> = if want_running { app.sandboxes.all() } else { Vec::new() };
+    items.retain(|e| filter.iter().all(|(k, v)| e.metadata.get(k) == Some(v)));
+    if let Some(t) = &template {
+        items.retain(|e| &e.template == t);
+    }
+    if let Some(t) = started_after {
+        items.retain(|e| e.started_at >= t);
+    }
+    items.sort_by_key(|e| sort_key(e));
+    if query::get(q, "order").as_deref() == Some("desc") {
+        items.reverse();
+        if let Some(a) = &after {
+            items.retain(|e| sort_key(e) < *a);
+        }
+    } else if let Some(a) = &after {
+        items.retain(|e| sort_key(e) > *a);
+    }
+    let more = items.len() > limit;
+    items.truncate(limit);
+    let body: Vec<Value> = items.iter().map(|e| detail_json(e)).collect();
+    let mut r = json_response(StatusCode::OK, &Value::Array(body));
+    if more {
+        if let Some(last) = items.last() {
+            let (n, id) = sort_key(last);
+            if let Ok(v) = HeaderValue::from_str(&format!("{n}_{id}")) {
+                r.headers_mut().insert("x-next-token", v);
+            }
+        }
+    }
+    Ok(r)
+}

@@ -1,0 +1,164 @@
+//! Credentials: the API key of the control plane, the per-sandbox envd access token, and the
+//! `/files` URL signatures the SDK's `download_url()`/`upload_url()` produce.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use base64::Engine;
+use sha2::{Digest, Sha256};
+
+use crate::error::ServerError;
+
+/// Equality whose time does not depend on where the inputs differ, so that a client cannot
+/// learn a key byte by byte from response times.
+pub fn ct_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut raw = vec![0u8; bytes];
+    getrandom::fill(&mut raw).expect("the kernel's random source is available");
+    raw.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A fresh API key, `e2b_` + 40 hex digits: SDKs 2.30–2.45 check `^e2b_[0-9a-f]+$` client-side.
+pub fn new_api_key() -> String {
+    format!("e2b_{}", random_hex(20))
+}
+
+/// A fresh envd access token for one sandbox.
+pub fn new_access_token() -> String {
+    random_hex(32)
+}
+
+/// Where the generated key is kept.
+pub fn api_key_path(state_dir: &Path) -> std::path::PathBuf {
+    state_dir.join("api-key")
+}
+
+/// The stored API key, or a new one written with mode 0600 (`created` is then true).
+pub fn load_or_create_api_key(state_dir: &Path) -> Result<(String, bool), ServerError> {
+    let path = api_key_path(state_dir);
+    let io = |what: &str| {
+        let what = format!("{what} {}", path.display());
+        move |source| ServerError::Io { what, source }
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(s) if !s.trim().is_empty() => return Ok((s.trim().to_string(), false)),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("read")(e)),
+    }
+    let key = new_api_key();
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp).map_err(io("create"))?;
+    f.write_all(format!("{key}\n").as_bytes()).map_err(io("write"))?;
+    f.sync_all().map_err(io("write"))?;
+    std::fs::rename(&tmp, &path).map_err(io("write"))?;
+    Ok((key, true))
+}
+
+/// `/files` operation a signature grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileOp {
+    Read,
+    Write,
+}
+
+/// `"v1_" + base64_nopad(sha256("{path}:{op}:{user}:{token}[:{expiration}]"))`.
+pub fn file_signature(path: &str, op: FileOp, user: &str, token: &str, expiration: Option<i64>) -> String {
+    let op = match op {
+        FileOp::Read => "read",
+        FileOp::Write => "write",
+    };
+    let raw = match expiration {
+        Some(exp) => format!("{path}:{op}:{user}:{token}:{exp}"),
+        None => format!("{path}:{op}:{user}:{token}"),
+    };
+    let digest = Sha256::digest(raw.as_bytes());
+    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
+}
+
+/// Checks a signed `/files` URL. `now` is in unix seconds.
+pub fn check_file_signature(
+    signature: &str,
+    expiration: Option<&str>,
+    path: &str,
+    op: FileOp,
+    user: &str,
+    token: &str,
+    now: i64,
+) -> Result<(), &'static str> {
+    let expiration = match expiration.filter(|e| !e.is_empty()) {
+        None => None,
+        Some(e) => Some(e.parse::<i64>().map_err(|_| "signature_expiration is not a unix timestamp")?),
+    };
+    if expiration.is_some_and(|e| e < now) {
+        return Err("the signature has expired");
+    }
+    if ct_eq(signature, &file_signature(path, op, user, token, expiration)) {
+        Ok(())
+    } else {
+        Err("invalid signature")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signature_matches_the_sdk() {
+        // python: get_signature("/home/user/a.txt", "read", None, "tok")
+        //   base64.b64encode(sha256(b"/home/user/a.txt:read::tok").digest()).rstrip(b"=")
+        let s = file_signature("/home/user/a.txt", FileOp::Read, "", "tok", None);
+        assert!(s.starts_with("v1_"));
+        assert_eq!(s.len(), 3 + 43);
+        assert!(check_file_signature(&s, None, "/home/user/a.txt", FileOp::Read, "", "tok", 0).is_ok());
+        assert!(check_file_signature(&s, None, "/home/user/a.txt", FileOp::Write, "", "tok", 0).is_err());
+        assert!(check_file_signature(&s, None, "/home/user/a.txt", FileOp::Read, "root", "tok", 0).is_err());
+        assert!(check_file_signature(&s, None, "/home/user/a.txt", FileOp::Read, "", "other", 0).is_err());
+    }
+
+    #[test]
+    fn expiration_is_signed_and_enforced() {
+        let s = file_signature("p", FileOp::Write, "user", "t", Some(1000));
+        assert!(check_file_signature(&s, Some("1000"), "p", FileOp::Write, "user", "t", 999).is_ok());
+        assert!(check_file_signature(&s, Some("1000"), "p", FileOp::Write, "user", "t", 1001).is_err());
+        assert!(check_file_signature(&s, Some("1001"), "p", FileOp::Write, "user", "t", 0).is_err());
+        assert!(check_file_signature(&s, None, "p", FileOp::Write, "user", "t", 0).is_err());
+        assert!(check_file_signature(&s, Some("x"), "p", FileOp::Write, "user", "t", 0).is_err());
+    }
+
+    #[test]
+    fn keys() {
+        assert!(ct_eq("abc", "abc"));
+        assert!(!ct_eq("abc", "abd"));
+        assert!(!ct_eq("abc", "ab"));
+        let k = new_api_key();
+        assert!(k.starts_with("e2b_") && k.len() == 44 && k[4..].bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(new_access_token(), new_access_token());
+    }
+
+    #[test]
+    fn api_key_file_is_private_and_stable() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("cordon-server-key-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (k1, created) = load_or_create_api_key(&dir).unwrap();
+        assert!(created);
+        let mode = std::fs::metadata(api_key_path(&dir)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let (k2, created) = load_or_create_api_key(&dir).unwrap();
+        assert!(!created);
+        assert_eq!(k1, k2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,123 @@
+//! `cordon serve`: the API the official E2B SDKs speak, on one port.
+//!
+//! - The control plane (`/sandboxes`, `/v2/sandboxes`, ...) creates, lists, extends and kills
+//!   sandboxes; it is guarded by an API key on `X-API-KEY`.
+//! - The data plane forwards envd traffic (port 49983) to the agent socket of the addressed
+//!   sandbox, checking its per-sandbox `envdAccessToken`, and traffic for any other port through
+//!   the agent's forwarding endpoint to that port inside the sandbox.
+//!
+//! Which plane a request belongs to is decided in [`routes`], in the order the protocol notes
+//! prescribe. Sandboxes live in the [`registry::Sandboxes`] registry, the only part that talks
+//! to a [`backend::Backend`] (the jail, in production); the HTTP layer never touches namespaces.
+
+pub mod api;
+pub mod auth;
+pub mod backend;
+pub mod error;
+pub mod lifecycle;
+pub mod proxy;
+pub mod query;
+pub mod registry;
+pub mod routes;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+pub use error::{ApiError, ServerError};
+pub use registry::Sandboxes;
+
+/// The body of every response: a buffer for API answers, a stream for proxied ones.
+pub type Body = BoxBody<Bytes, hyper::Error>;
+
+/// A complete response body.
+pub fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).map_err(|never: Infallible| match never {}).boxed()
+}
+
+/// The envd version reported when none is configured: the agent implements every feature
+/// gate up to it (default user, octet-stream and gzip upload, file metadata, `include_entry`,
+/// CloseStdin, StreamInput).
+pub const DEFAULT_ENVD_VERSION: &str = "0.6.13";
+
+/// The envd port of every sandbox, as the SDKs hard-code it.
+pub const ENVD_PORT: u16 = 49983;
+
+/// What the server needs besides the registry.
+pub struct App {
+    pub api_key: String,
+    pub sandboxes: Arc<Sandboxes>,
+}
+
+impl App {
+    /// Routes one request to the control plane or to a sandbox.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        match routes::classify(req.uri().path(), req.headers()) {
+            // A signed `/files` URL made from E2B_SANDBOX_URL names no sandbox: the signature,
+            // made with one sandbox's token, is what identifies it.
+            routes::Route::Api if req.uri().path() == "/files" => match proxy::signed_by(&self.sandboxes, &req) {
+                Some(entry) => proxy::handle(&self, &entry.id, ENVD_PORT, req).await,
+                None => api::handle(&self, req).await,
+            },
+            routes::Route::Api => api::handle(&self, req).await,
+            routes::Route::Sandbox { id, port } => proxy::handle(&self, &id, port, req).await,
+            routes::Route::ByToken(token) => match self.sandboxes.by_token(&token) {
+                Some(entry) => proxy::handle(&self, &entry.id, ENVD_PORT, req).await,
+                None => api::handle(&self, req).await,
+            },
+            routes::Route::Invalid(msg) => ApiError::bad_request(msg).into_response(),
+        }
+    }
+}
+
+/// Serves `listener` until `shutdown` resolves, then destroys every sandbox.
+pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+    let sweeper = tokio::spawn(lifecycle::sweep(app.sandboxes.clone()));
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) if lifecycle::is_transient(&e) => {
+                    // Out of descriptors: back off instead of spinning; live connections go on.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                Err(e) => {
+                    sweeper.abort();
+                    app.sandboxes.destroy_all().await;
+                    return Err(ServerError::Io { what: "accept".into(), source: e });
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let app = app.clone();
+                async move { Ok::<_, Infallible>(app.handle(req).await) }
+            });
+            // A client hanging up mid-stream only ends its own connection.
+            let _ = http1::Builder::new()
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades()
+                .await;
+        });
+    }
+    sweeper.abort();
+    app.sandboxes.destroy_all().await;
+    Ok(())
+}

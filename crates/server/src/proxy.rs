@@ -1,0 +1,229 @@
+//! The data plane: requests for a sandbox go to its agent socket, bodies streamed both ways.
+//!
+//! Port 49983 is envd, served by the agent itself. Any other port goes through the agent's
+//! forwarding endpoint (an HTTP/1.1 upgrade to `/__cordon/forward/<port>`), after which the
+//! agent splices bytes to that port inside the sandbox and the request is replayed over the
+//! spliced connection. Each request has its own agent connection: Unix connects are cheap,
+//! and a stream that ends (or a client that hangs up) then never affects another request.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper::client::conn::http1;
+use hyper::header::{HeaderName, CONNECTION, HOST, UPGRADE};
+use hyper::{Method, Request, Response, StatusCode, Uri};
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+
+use crate::auth::{self, FileOp};
+use crate::error::{sandbox_not_found, ApiError};
+use crate::registry::Entry;
+use crate::{query, App, Body, ENVD_PORT};
+
+/// Must match the agent's forwarding endpoint.
+const FORWARD_PREFIX: &str = "/__cordon/forward/";
+const FORWARD_PROTOCOL: &str = "cordon-forward";
+
+/// Headers that describe one hop, not the request (RFC 9110 7.6.1).
+const HOP_BY_HOP: &[&str] = &["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer", "upgrade"];
+
+pub async fn handle(app: &Arc<App>, id: &str, port: u16, req: Request<Incoming>) -> Response<Body> {
+    let Some(entry) = app.sandboxes.get(id) else { return sandbox_not_found(id) };
+    if port == ENVD_PORT {
+        if let Err(e) = authorize(&entry, &req) {
+            return e.into_response();
+        }
+        if req.uri().path().starts_with(FORWARD_PREFIX) {
+            return ApiError::not_found("no such envd endpoint").into_response();
+        }
+    }
+    let Ok(permit) = entry.streams.clone().try_acquire_owned() else {
+        return ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!("too many requests in flight to sandbox {id} (at most {})", crate::registry::MAX_STREAMS_PER_SANDBOX),
+        )
+        .into_response();
+    };
+    match forward(&entry.socket, port, req).await {
+        // The permit is held until the response body is done or dropped.
+        Ok(r) => r.map(|body| Permitted { body, _permit: permit }.boxed()),
+        Err(e) => {
+            // The sandbox may have died while the request was on its way.
+            if app.sandboxes.get(id).is_none() {
+                return sandbox_not_found(id);
+            }
+            tracing::debug!(sandbox = %id, port, "proxy: {e}");
+            ApiError::new(StatusCode::BAD_GATEWAY, format!("the sandbox did not answer on port {port}: {e}"))
+                .no_retry()
+                .into_response()
+        }
+    }
+}
+
+/// envd's rule: every route needs the access token except `GET /health`; `/files` takes the
+/// token or a URL signature made with it.
+pub fn authorize<B>(entry: &Entry, req: &Request<B>) -> Result<(), ApiError> {
+    let path = req.uri().path();
+    if path == "/health" && matches!(*req.method(), Method::GET | Method::HEAD) {
+        return Ok(());
+    }
+    let header = req.headers().get("x-access-token").map(|v| v.to_str().unwrap_or(""));
+    if let Some(token) = header {
+        return if auth::ct_eq(token, &entry.token) {
+            Ok(())
+        } else {
+            Err(ApiError::unauthorized("invalid X-Access-Token for this sandbox"))
+        };
+    }
+    if path == "/files" {
+        let op = match *req.method() {
+            Method::GET | Method::HEAD => FileOp::Read,
+            _ => FileOp::Write,
+        };
+        let q = req.uri().query();
+        let Some(sig) = query::get(q, "signature") else {
+            return Err(ApiError::unauthorized("missing X-Access-Token header or signature"));
+        };
+        let file = query::get(q, "path").unwrap_or_default();
+        let user = query::get(q, "username").unwrap_or_default();
+        let exp = query::get(q, "signature_expiration");
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+        return auth::check_file_signature(&sig, exp.as_deref(), &file, op, &user, &entry.token, now)
+            .map_err(ApiError::unauthorized);
+    }
+    Err(ApiError::unauthorized("missing X-Access-Token header"))
+}
+
+/// A response body that holds a stream permit of its sandbox.
+struct Permitted {
+    body: Body,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl hyper::body::Body for Permitted {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The sandbox whose token produced the signature of a signed `/files` URL, if any.
+pub fn signed_by<B>(sandboxes: &crate::Sandboxes, req: &Request<B>) -> Option<Arc<Entry>> {
+    if req.headers().contains_key("x-access-token") || query::get(req.uri().query(), "signature").is_none() {
+        return None;
+    }
+    sandboxes.all().into_iter().find(|e| authorize(e, req).is_ok())
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("connect to the agent: {0}")]
+    Connect(std::io::Error),
+    #[error("{0}")]
+    Http(#[from] hyper::Error),
+    #[error("{0}")]
+    Port(String),
+}
+
+/// The request as it goes to the agent: origin-form URI, no hop-by-hop headers.
+fn strip(mut req: Request<Incoming>) -> Request<Incoming> {
+    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
+    *req.uri_mut() = pq.parse::<Uri>().unwrap_or_else(|_| Uri::from_static("/"));
+    let named: Vec<HeaderName> = req
+        .headers()
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(',').map(|s| s.trim().to_ascii_lowercase()).collect::<Vec<_>>())
+        .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
+        .collect();
+    for n in named {
+        req.headers_mut().remove(n);
+    }
+    for h in HOP_BY_HOP {
+        req.headers_mut().remove(*h);
+    }
+    req
+}
+
+/// Whether the client asks to switch protocols (websockets, mostly).
+fn wants_upgrade<B>(req: &Request<B>) -> bool {
+    req.headers().contains_key(UPGRADE)
+        && req.headers().get_all(CONNECTION).iter().any(|v| {
+            v.to_str().is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
+        })
+}
+
+async fn forward(socket: &Path, port: u16, mut req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
+    // A user port may switch protocols (a websocket server, say): then the upgrade headers
+    // must reach it, and after its 101 both upgraded connections are spliced together.
+    let client_upgrade = (port != ENVD_PORT && wants_upgrade(&req)).then(|| hyper::upgrade::on(&mut req));
+    let req = match client_upgrade {
+        Some(_) => {
+            let pq = req.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
+            *req.uri_mut() = pq.parse::<Uri>().unwrap_or_else(|_| Uri::from_static("/"));
+            req
+        }
+        None => strip(req),
+    };
+    let stream = UnixStream::connect(socket).await.map_err(ProxyError::Connect)?;
+    let resp = if port == ENVD_PORT {
+        let (mut sender, conn) = http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(conn);
+        sender.send_request(req).await?
+    } else {
+        let (mut sender, conn) = http1::handshake::<_, Empty<Bytes>>(TokioIo::new(stream)).await?;
+        tokio::spawn(conn.with_upgrades());
+        let up = Request::get(format!("{FORWARD_PREFIX}{port}"))
+            .header(HOST, "cordon-agent")
+            .header(CONNECTION, "upgrade")
+            .header(UPGRADE, FORWARD_PROTOCOL)
+            .body(Empty::new())
+            .map_err(|e| ProxyError::Port(e.to_string()))?;
+        let resp = sender.send_request(up).await?;
+        if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+            // The agent's JSON says why (nothing listening on the port, usually).
+            let (parts, body) = resp.into_parts();
+            return Ok(Response::from_parts(parts, body.boxed()));
+        }
+        let upgraded = hyper::upgrade::on(resp).await?;
+        let (mut sender, conn) = http1::handshake(upgraded).await?;
+        match client_upgrade {
+            None => {
+                tokio::spawn(conn);
+                sender.send_request(req).await?
+            }
+            Some(client) => {
+                tokio::spawn(conn.with_upgrades());
+                let mut resp = sender.send_request(req).await?;
+                if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+                    let inner = hyper::upgrade::on(&mut resp);
+                    tokio::spawn(async move {
+                        let (Ok(client), Ok(inner)) = (client.await, inner.await) else { return };
+                        let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(inner)).await;
+                    });
+                }
+                resp
+            }
+        }
+    };
+    let (parts, body) = resp.into_parts();
+    Ok(Response::from_parts(parts, body.boxed()))
+}

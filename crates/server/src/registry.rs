@@ -1,0 +1,275 @@
+//! The live sandboxes: who they are, their tokens, their deadlines, and the only code that asks
+//! the backend to create or destroy one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use hyper::StatusCode;
+
+use crate::auth;
+use crate::backend::{Backend, BackendError, CreateSpec, Instance};
+use crate::error::ApiError;
+
+/// Longest TTL a create, connect or set_timeout may ask for (E2B's own cap is 24 h).
+pub const MAX_TIMEOUT_SECS: u64 = 86_400;
+
+/// Most requests in flight to one sandbox at once (streams included): one sandbox cannot
+/// take all of the server's connections and memory.
+pub const MAX_STREAMS_PER_SANDBOX: usize = 512;
+
+/// How long a new agent may take to answer `/health` before the create fails.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One live sandbox.
+pub struct Entry {
+    pub id: String,
+    pub template: String,
+    pub token: String,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub started_at: SystemTime,
+    pub cpu_count: u32,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub envd_version: String,
+    pub socket: PathBuf,
+    /// Permits for requests in flight, see [`MAX_STREAMS_PER_SANDBOX`].
+    pub streams: Arc<tokio::sync::Semaphore>,
+    end_at: Mutex<SystemTime>,
+    instance: Mutex<Option<Box<dyn Instance>>>,
+}
+
+impl Entry {
+    pub fn end_at(&self) -> SystemTime {
+        *self.end_at.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_end_at(&self, t: SystemTime) {
+        *self.end_at.lock().unwrap_or_else(|p| p.into_inner()) = t;
+    }
+
+    pub fn memory_current(&self) -> u64 {
+        self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |i| i.memory_current())
+    }
+}
+
+/// What a create asks for, before it has an id.
+pub struct NewSandbox {
+    pub template: String,
+    pub timeout: Duration,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub cpu_count: u32,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+}
+
+/// The registry.
+pub struct Sandboxes {
+    backend: Arc<dyn Backend>,
+    live: RwLock<HashMap<String, Arc<Entry>>>,
+    /// Creates under way, counted against the limit so that a burst cannot overshoot it.
+    pending: AtomicUsize,
+    max: usize,
+    envd_version: String,
+}
+
+/// A slot under the concurrency limit, held while a create runs.
+struct Reservation<'a>(&'a AtomicUsize);
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Sandboxes {
+    pub fn new(backend: Arc<dyn Backend>, max: usize, envd_version: String) -> Arc<Sandboxes> {
+        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), pending: AtomicUsize::new(0), max, envd_version })
+    }
+
+    pub fn envd_version(&self) -> &str {
+        &self.envd_version
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<Entry>>> {
+        self.live.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<Entry>>> {
+        self.live.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Entry>> {
+        self.read().get(id).cloned()
+    }
+
+    pub fn by_token(&self, token: &str) -> Option<Arc<Entry>> {
+        self.read().values().find(|e| auth::ct_eq(&e.token, token)).cloned()
+    }
+
+    pub fn all(&self) -> Vec<Arc<Entry>> {
+        self.read().values().cloned().collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn reserve(&self) -> Result<Reservation<'_>, ApiError> {
+        let pending = self.pending.fetch_add(1, Ordering::SeqCst) + 1;
+        let r = Reservation(&self.pending);
+        if self.len() + pending > self.max {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("the limit of {} concurrent sandboxes is reached: kill one, or start the server with a higher --max-sandboxes", self.max),
+            )
+            .no_retry());
+        }
+        Ok(r)
+    }
+
+    /// Creates a sandbox and returns once its agent answers.
+    pub async fn create(self: &Arc<Self>, req: NewSandbox) -> Result<Arc<Entry>, ApiError> {
+        let _slot = self.reserve()?;
+        let spec = CreateSpec {
+            id: cordon_jail::new_id(),
+            template: req.template.clone(),
+            env_vars: req.env_vars.clone(),
+            cpu_count: req.cpu_count,
+            memory_mb: req.memory_mb,
+            disk_mb: req.disk_mb,
+        };
+        let started = Instant::now();
+        let backend = self.backend.clone();
+        let spec2 = spec.clone();
+        let instance = tokio::task::spawn_blocking(move || backend.create(&spec2))
+            .await
+            .map_err(|e| ApiError::internal(format!("sandbox creation panicked: {e}")))?
+            .map_err(|e| {
+                tracing::info!(sandbox = %spec.id, template = %spec.template, "sandbox create refused: {e}");
+                match e {
+                    BackendError::UnknownTemplate(m) => ApiError::not_found(m),
+                    BackendError::BadRequest(m) => ApiError::bad_request(m),
+                    BackendError::Failed(m) => ApiError::internal(format!("cannot create the sandbox: {m}")),
+                }
+            })?;
+        let socket = instance.socket_path().to_path_buf();
+        let death = instance.death_fd();
+        let entry = Arc::new(Entry {
+            id: spec.id.clone(),
+            template: req.template,
+            token: auth::new_access_token(),
+            metadata: req.metadata,
+            env_vars: req.env_vars,
+            started_at: SystemTime::now(),
+            cpu_count: req.cpu_count,
+            memory_mb: req.memory_mb,
+            disk_mb: req.disk_mb,
+            envd_version: self.envd_version.clone(),
+            socket: socket.clone(),
+            streams: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS_PER_SANDBOX)),
+            end_at: Mutex::new(SystemTime::now() + req.timeout),
+            instance: Mutex::new(Some(instance)),
+        });
+        if let Err(e) = wait_ready(&socket).await {
+            destroy(&entry).await;
+            return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
+        }
+        self.write().insert(entry.id.clone(), entry.clone());
+        if let Some(fd) = death {
+            tokio::spawn(crate::lifecycle::watch_death(Arc::downgrade(self), entry.id.clone(), fd));
+        }
+        tracing::info!(
+            sandbox = %entry.id, template = %entry.template, timeout_s = req.timeout.as_secs(),
+            cpus = entry.cpu_count, memory_mb = entry.memory_mb, ms = started.elapsed().as_millis() as u64,
+            "sandbox created"
+        );
+        Ok(entry)
+    }
+
+    /// Sets the deadline to `now + timeout`.
+    pub fn set_timeout(&self, id: &str, timeout: Duration) -> Option<Arc<Entry>> {
+        let e = self.get(id)?;
+        e.set_end_at(SystemTime::now() + timeout);
+        tracing::info!(sandbox = %id, timeout_s = timeout.as_secs(), "sandbox timeout set");
+        Some(e)
+    }
+
+    /// Moves the deadline to `now + timeout` if that is later (connect never shortens a life).
+    pub fn extend(&self, id: &str, timeout: Duration) -> Option<Arc<Entry>> {
+        let e = self.get(id)?;
+        let want = SystemTime::now() + timeout;
+        if want > e.end_at() {
+            e.set_end_at(want);
+        }
+        tracing::info!(sandbox = %id, "sandbox connected");
+        Some(e)
+    }
+
+    /// Takes a sandbox out of service at once (the data plane answers 502 from now on), then
+    /// destroys it. False when it was not live.
+    pub async fn remove(&self, id: &str, reason: &str) -> bool {
+        let Some(entry) = self.write().remove(id) else { return false };
+        destroy(&entry).await;
+        tracing::info!(sandbox = %id, reason, "sandbox destroyed");
+        true
+    }
+
+    /// Destroys every sandbox whose deadline has passed.
+    pub async fn expire_due(&self) {
+        let now = SystemTime::now();
+        let due: Vec<String> = self.read().values().filter(|e| e.end_at() <= now).map(|e| e.id.clone()).collect();
+        for id in due {
+            self.remove(&id, "timeout").await;
+        }
+    }
+
+    /// Destroys everything (shutdown).
+    pub async fn destroy_all(&self) {
+        let ids: Vec<String> = self.read().keys().cloned().collect();
+        let n = ids.len();
+        let tasks: Vec<_> = ids.into_iter().map(|id| async move { self.remove(&id, "server shutdown").await }).collect();
+        for t in tasks {
+            t.await;
+        }
+        if n > 0 {
+            tracing::info!(count = n, "all sandboxes destroyed");
+        }
+    }
+}
+
+async fn destroy(entry: &Arc<Entry>) {
+    let instance = entry.instance.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let Some(mut instance) = instance else { return };
+    let id = entry.id.clone();
+    let result = tokio::task::spawn_blocking(move || instance.destroy()).await;
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(sandbox = %id, "teardown: {e}"),
+        Err(e) => tracing::warn!(sandbox = %id, "teardown panicked: {e}"),
+    }
+}
+
+async fn wait_ready(socket: &std::path::Path) -> Result<(), String> {
+    let client = cordon_envd::EnvdClient::new(socket.to_path_buf());
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let mut delay = Duration::from_millis(2);
+    loop {
+        match tokio::time::timeout(Duration::from_secs(2), client.health()).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) if Instant::now() >= deadline => return Err(e.to_string()),
+            Err(_) if Instant::now() >= deadline => return Err("no answer to /health".into()),
+            _ => {}
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(100));
+    }
+}

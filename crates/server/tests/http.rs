@@ -1,0 +1,333 @@
+//! The server end to end over TCP, with a backend that runs `cordon-agent`'s service in this
+//! process instead of in a jail: routing, auth, malformed input, limits and lifetimes need no
+//! root this way. (The SDK suite in tests/e2b covers the real jail.)
+
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use cordon_server::backend::{Backend, BackendError, CreateSpec, Instance};
+use cordon_server::{App, Sandboxes};
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+
+const KEY: &str = "e2b_test_key";
+
+struct InProcess {
+    dir: PathBuf,
+}
+
+struct InProcessInstance {
+    socket: PathBuf,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Instance for InProcessInstance {
+    fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+    fn death_fd(&self) -> Option<OwnedFd> {
+        None
+    }
+    fn memory_current(&self) -> u64 {
+        1 << 20
+    }
+    fn destroy(&mut self) -> Result<(), String> {
+        self.task.abort();
+        let _ = std::fs::remove_file(&self.socket);
+        Ok(())
+    }
+}
+
+impl Backend for InProcess {
+    fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
+        if spec.template != "base" {
+            return Err(BackendError::UnknownTemplate(format!("template '{}' not found", spec.template)));
+        }
+        let socket = self.dir.join(format!("{}.sock", spec.id));
+        let l = std::os::unix::net::UnixListener::bind(&socket).map_err(|e| BackendError::Failed(e.to_string()))?;
+        l.set_nonblocking(true).map_err(|e| BackendError::Failed(e.to_string()))?;
+        let cfg = cordon_agent::AgentConfig {
+            sandbox_id: spec.id.clone(),
+            default_user: "root".into(),
+            workdir: None,
+            env: spec.env_vars.clone().into_iter().collect(),
+            root: PathBuf::from("/"),
+            envd_version: None,
+        };
+        // `create` runs on a blocking thread of the server's runtime.
+        let task = tokio::runtime::Handle::current().spawn(async move {
+            let l = tokio::net::UnixListener::from_std(l).expect("listener");
+            let _ = cordon_agent::serve(l, cfg).await;
+        });
+        Ok(Box::new(InProcessInstance { socket, task }))
+    }
+}
+
+struct Server {
+    addr: SocketAddr,
+    _dir: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+async fn start(max: usize) -> Server {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "cordon-server-test-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let backend = Arc::new(InProcess { dir: dir.clone() });
+    let sandboxes = Sandboxes::new(backend, max, "0.6.13".into());
+    let app = Arc::new(App { api_key: KEY.into(), sandboxes });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(cordon_server::serve(listener, app, std::future::pending()));
+    Server { addr, _dir: TempDir(dir) }
+}
+
+struct Resp {
+    status: StatusCode,
+    headers: hyper::HeaderMap,
+    body: Bytes,
+}
+
+impl Resp {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+}
+
+async fn call(addr: SocketAddr, method: Method, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Resp {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(conn);
+    let mut b = Request::builder().method(method).uri(path);
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        b = b.header("host", addr.to_string());
+    }
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let resp = tx.send_request(b.body(Full::new(body.into())).unwrap()).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    Resp { status: parts.status, headers: parts.headers, body: body.collect().await.unwrap().to_bytes() }
+}
+
+async fn api(addr: SocketAddr, method: Method, path: &str, body: &str) -> Resp {
+    call(addr, method, path, &[("x-api-key", KEY), ("content-type", "application/json")], body.to_string()).await
+}
+
+/// Creates a sandbox; returns (id, token).
+async fn create(addr: SocketAddr, body: Value) -> (String, String) {
+    let r = api(addr, Method::POST, "/v2/sandboxes", &body.to_string()).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let v = r.json();
+    (v["sandboxID"].as_str().unwrap().to_string(), v["envdAccessToken"].as_str().unwrap().to_string())
+}
+
+const STAT: &str = "/filesystem.Filesystem/Stat";
+
+async fn stat(addr: SocketAddr, id: &str, token: Option<&str>) -> Resp {
+    let mut h = vec![("e2b-sandbox-id", id), ("e2b-sandbox-port", "49983"), ("content-type", "application/json")];
+    if let Some(t) = token {
+        h.push(("x-access-token", t));
+    }
+    call(addr, Method::POST, STAT, &h, r#"{"path":"/"}"#).await
+}
+
+fn assert_error(r: &Resp, status: StatusCode) {
+    assert_eq!(r.status, status, "{:?}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    assert_eq!(v["code"], json!(status.as_u16()));
+    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_is_required() {
+    let s = start(10).await;
+    let r = call(s.addr, Method::GET, "/health", &[], "").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = call(s.addr, Method::GET, "/v2/sandboxes", &[], "").await;
+    assert_error(&r, StatusCode::UNAUTHORIZED);
+    let r = call(s.addr, Method::POST, "/v2/sandboxes", &[("x-api-key", "e2b_wrong")], "{}").await;
+    assert_error(&r, StatusCode::UNAUTHORIZED);
+    let r = api(s.addr, Method::GET, "/v2/sandboxes", "").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json(), json!([]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_tokens_guard_each_sandbox() {
+    let s = start(10).await;
+    let (a, ta) = create(s.addr, json!({"templateID": "base"})).await;
+    let (b, tb) = create(s.addr, json!({})).await;
+    assert_ne!(ta, tb);
+    // /health needs no token.
+    let r = call(s.addr, Method::GET, "/health", &[("e2b-sandbox-id", &a)], "").await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    assert_error(&stat(s.addr, &a, None).await, StatusCode::UNAUTHORIZED);
+    assert_error(&stat(s.addr, &a, Some("wrong")).await, StatusCode::UNAUTHORIZED);
+    // One sandbox's token does not open another.
+    assert_error(&stat(s.addr, &a, Some(&tb)).await, StatusCode::UNAUTHORIZED);
+    assert_error(&stat(s.addr, &b, Some(&ta)).await, StatusCode::UNAUTHORIZED);
+    let r = stat(s.addr, &a, Some(&ta)).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(r.json()["entry"]["path"], json!("/"));
+    // The token alone (old SDKs after connect) routes to its own sandbox.
+    let r = call(s.addr, Method::POST, STAT, &[("x-access-token", &tb), ("content-type", "application/json")], r#"{"path":"/"}"#).await;
+    assert_eq!(r.status, StatusCode::OK);
+    // /files: header, or a signature made with the right token.
+    let files = |sig: String| format!("/files?path=%2Fetc%2Fhostname&signature={sig}");
+    let good = cordon_server::auth::file_signature("/etc/hostname", cordon_server::auth::FileOp::Read, "", &ta, None);
+    let good = good.replace('+', "%2B").replace('/', "%2F");
+    let r = call(s.addr, Method::GET, &files(good.clone()), &[("e2b-sandbox-id", &a)], "").await;
+    assert_ne!(r.status, StatusCode::UNAUTHORIZED, "{:?}", r.body);
+    // A signed URL without sandbox headers finds its sandbox by the signature.
+    let r = call(s.addr, Method::GET, &files(good.clone()), &[], "").await;
+    assert_ne!(r.status, StatusCode::UNAUTHORIZED, "{:?}", r.body);
+    let r = call(s.addr, Method::GET, &files(good), &[("e2b-sandbox-id", &b)], "").await;
+    assert_error(&r, StatusCode::UNAUTHORIZED);
+    let r = call(s.addr, Method::GET, "/files?path=/etc/hostname", &[("e2b-sandbox-id", &a)], "").await;
+    assert_error(&r, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_get_400_and_the_server_lives_on() {
+    let s = start(10).await;
+    for body in [
+        "{",
+        "[]",
+        "null",
+        r#"{"timeout":"x"}"#,
+        r#"{"timeout":-1}"#,
+        r#"{"timeout":99999999}"#,
+        r#"{"metadata":{"k":1}}"#,
+        r#"{"envVars":[]}"#,
+        r#"{"tier":"vm"}"#,
+        r#"{"cpuCount":0}"#,
+        r#"{"memoryMB":1}"#,
+        r#"{"templateID":"../etc"}"#,
+    ] {
+        let r = api(s.addr, Method::POST, "/v2/sandboxes", body).await;
+        assert_error(&r, StatusCode::BAD_REQUEST);
+    }
+    let r = api(s.addr, Method::POST, "/sandboxes", r#"{"templateID":"nope"}"#).await;
+    assert_error(&r, StatusCode::NOT_FOUND);
+    assert!(r.json()["message"].as_str().unwrap().contains("nope"));
+    let big = format!(r#"{{"metadata":{{"k":"{}"}}}}"#, "x".repeat(2 << 20));
+    assert_error(&api(s.addr, Method::POST, "/v2/sandboxes", &big).await, StatusCode::PAYLOAD_TOO_LARGE);
+
+    let (id, _) = create(s.addr, json!({})).await;
+    assert_error(&api(s.addr, Method::POST, &format!("/sandboxes/{id}/timeout"), "").await, StatusCode::BAD_REQUEST);
+    assert_error(&api(s.addr, Method::POST, &format!("/sandboxes/{id}/timeout"), "{}").await, StatusCode::BAD_REQUEST);
+    assert_error(&api(s.addr, Method::POST, &format!("/v2/sandboxes/{id}/connect"), "{x").await, StatusCode::BAD_REQUEST);
+    for q in ["limit=0", "limit=101", "limit=x", "nextToken=garbage", "state=weird", "metadata=novalue"] {
+        assert_error(&api(s.addr, Method::GET, &format!("/v2/sandboxes?{q}"), "").await, StatusCode::BAD_REQUEST);
+    }
+    let r = call(s.addr, Method::GET, "/health", &[("e2b-sandbox-id", &id), ("e2b-sandbox-port", "nope")], "").await;
+    assert_error(&r, StatusCode::BAD_REQUEST);
+    let r = call(s.addr, Method::GET, "/health", &[("e2b-sandbox-id", "UPPER")], "").await;
+    assert_error(&r, StatusCode::BAD_REQUEST);
+    assert_error(&api(s.addr, Method::GET, "/sandboxes/x/nothing", "").await, StatusCode::NOT_FOUND);
+    // Still serving.
+    assert_eq!(api(s.addr, Method::GET, &format!("/sandboxes/{id}"), "").await.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_info_list_kill_and_expiry() {
+    let s = start(10).await;
+    let (id, tok) = create(s.addr, json!({"timeout": 60, "metadata": {"team": "a b&c"}, "cpuCount": 2, "memoryMB": 256})).await;
+    let (other, _) = create(s.addr, json!({"metadata": {"team": "z"}})).await;
+    let d = api(s.addr, Method::GET, &format!("/sandboxes/{id}"), "").await.json();
+    for k in ["templateID", "sandboxID", "clientID", "startedAt", "endAt", "envdVersion", "cpuCount", "memoryMB", "diskSizeMB", "state"] {
+        assert!(!d[k].is_null(), "{k} missing in {d}");
+    }
+    assert_eq!((d["cpuCount"].clone(), d["memoryMB"].clone(), d["state"].clone()), (json!(2), json!(256), json!("running")));
+    // The SDK's double encoding of {"team": "a b&c"}.
+    let r = api(s.addr, Method::GET, "/v2/sandboxes?metadata=team%3Da%2520b%2526c", "").await;
+    let ids: Vec<Value> = r.json().as_array().unwrap().iter().map(|s| s["sandboxID"].clone()).collect();
+    assert_eq!(ids, vec![json!(id)]);
+    // Pagination: one per page.
+    let r = api(s.addr, Method::GET, "/v2/sandboxes?limit=1", "").await;
+    let token = r.headers.get("x-next-token").expect("a next token").to_str().unwrap().to_string();
+    let r2 = api(s.addr, Method::GET, &format!("/v2/sandboxes?limit=1&nextToken={token}"), "").await;
+    assert!(r2.headers.get("x-next-token").is_none());
+    let mut seen = vec![r.json()[0]["sandboxID"].clone(), r2.json()[0]["sandboxID"].clone()];
+    seen.sort_by_key(|v| v.to_string());
+    let mut want = vec![json!(id), json!(other)];
+    want.sort_by_key(|v| v.to_string());
+    assert_eq!(seen, want);
+    // Metrics.
+    let m = api(s.addr, Method::GET, &format!("/sandboxes/{id}/metrics"), "").await.json();
+    assert_eq!(m[0]["memTotal"], json!(256u64 << 20));
+    // Kill: 204, then 404, and the data plane says the sandbox is gone.
+    assert_eq!(api(s.addr, Method::DELETE, &format!("/sandboxes/{id}"), "").await.status, StatusCode::NO_CONTENT);
+    assert_error(&api(s.addr, Method::DELETE, &format!("/sandboxes/{id}"), "").await, StatusCode::NOT_FOUND);
+    let r = stat(s.addr, &id, Some(&tok)).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(r.json(), json!({"sandboxId": id, "message": "The sandbox was not found", "code": 502}));
+    // Expiry: a timeout of 1 s from now.
+    assert_eq!(api(s.addr, Method::POST, &format!("/sandboxes/{other}/timeout"), r#"{"timeout":1}"#).await.status, StatusCode::NO_CONTENT);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    assert_error(&api(s.addr, Method::GET, &format!("/sandboxes/{other}"), "").await, StatusCode::NOT_FOUND);
+    assert_error(&api(s.addr, Method::POST, &format!("/sandboxes/{other}/connect"), "{}").await, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_limit_is_429_without_retry() {
+    let s = start(1).await;
+    let (id, _) = create(s.addr, json!({})).await;
+    let r = api(s.addr, Method::POST, "/v2/sandboxes", "{}").await;
+    assert_error(&r, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.headers.get("should-retry").unwrap(), "false");
+    api(s.addr, Method::DELETE, &format!("/sandboxes/{id}"), "").await;
+    create(s.addr, json!({})).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_ports_are_forwarded_through_the_agent() {
+    let s = start(10).await;
+    let (id, _) = create(s.addr, json!({})).await;
+    // The in-process agent shares this network namespace, so a host listener stands in for a
+    // server inside the sandbox.
+    let inner = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = inner.local_addr().unwrap().port().to_string();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = inner.accept().await else { return };
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async move {
+                    let path = req.uri().path().to_string();
+                    let body = req.into_body().collect().await?.to_bytes();
+                    Ok::<_, hyper::Error>(hyper::Response::new(Full::new(Bytes::from(format!("{path}:{}", body.len())))))
+                });
+                let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+            });
+        }
+    });
+    let r = call(s.addr, Method::POST, "/echo", &[("e2b-sandbox-id", &id), ("e2b-sandbox-port", &port)], "12345").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body, Bytes::from("/echo:5"));
+    let host = format!("{port}-{id}.localhost:3000");
+    let r = call(s.addr, Method::GET, "/via-host", &[("host", &host)], "").await;
+    assert_eq!(r.body, Bytes::from("/via-host:0"));
+    // Nothing listening: 502 saying so.
+    let r = call(s.addr, Method::GET, "/", &[("e2b-sandbox-id", &id), ("e2b-sandbox-port", "1")], "").await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert!(r.json()["message"].as_str().unwrap().contains("port is not open"));
+}

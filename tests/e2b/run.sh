@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The E2B SDK suite: the real `e2b` package from PyPI, in tests/e2b/.venv (created once, reused),
+# against a `cordon serve` started here on a free port with a fixed API key and the default
+# state dir (where the `base` image is cached). Exits with pytest's status.
+#
+#   tests/e2b/run.sh [pytest args...]       CORDON_BIN=... to pick the binary, E2B_UPGRADE=1 to
+#                                           upgrade the SDK to its latest release first
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+bin="${CORDON_BIN:-${CARGO_TARGET_DIR:-$root/target}/x86_64-unknown-linux-gnu/release/cordon}"
+[ -x "$bin" ] || { echo "tests/e2b: $bin not found: build with cargo build --release (or set CORDON_BIN)" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "tests/e2b: skipped: cordon serve needs root" >&2; exit 0; }
+
+venv="$here/.venv"
+if [ ! -x "$venv/bin/python" ]; then
+    # Debian splits venv support (ensurepip) into its own package.
+    if ! python3 -c 'import ensurepip' 2>/dev/null; then
+        echo "tests/e2b: installing python3-venv" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y --no-install-recommends python3-venv >/dev/null 2>&1 || {
+            apt-get update -qq
+            apt-get install -y --no-install-recommends python3-venv
+        }
+    fi
+    python3 -m venv "$venv"
+fi
+if [ "${E2B_UPGRADE:-0}" = 1 ] || ! "$venv/bin/python" -c 'import e2b, pytest, pytest_asyncio, httpx' 2>/dev/null; then
+    "$venv/bin/pip" install -q --upgrade pip
+    "$venv/bin/pip" install -q --upgrade -r "$here/requirements.txt"
+fi
+echo "tests/e2b: e2b $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("e2b"))')"
+# An older SDK, for a smoke test of the endpoints and wire forms it uses.
+venv_old="$here/.venv-old"
+[ -x "$venv_old/bin/python" ] || python3 -m venv "$venv_old"
+"$venv_old/bin/python" -c 'import e2b, pytest' 2>/dev/null || "$venv_old/bin/pip" install -q -r "$here/old/requirements.txt"
+
+port="$("$venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+key="e2b_$(printf '0%.0s' $(seq 40))"
+log="$(mktemp /tmp/cordon-serve-XXXXXX.log)"
+"$bin" serve --listen "127.0.0.1:$port" --api-key "$key" --max-sandboxes 50 >"$log" 2>&1 &
+server=$!
+stop() {
+    if kill -0 "$server" 2>/dev/null; then
+        kill -TERM "$server"
+        wait "$server" || true
+    fi
+}
+trap stop EXIT
+for _ in $(seq 100); do
+    "$venv/bin/python" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null && break
+    kill -0 "$server" 2>/dev/null || { cat "$log" >&2; exit 1; }
+    sleep 0.1
+done
+
+export CORDON_BIN="$bin"
+export E2B_API_KEY="$key" E2B_API_URL="http://127.0.0.1:$port" E2B_SANDBOX_URL="http://127.0.0.1:$port"
+status=0
+(cd "$here" && "$venv/bin/python" -m pytest --ignore=old "$@") || status=$?
+if [ "$#" = 0 ]; then
+    (cd "$here/old" && "$venv_old/bin/python" -m pytest -q -p no:cacheprovider .) || status=$?
+fi
+stop
+trap - EXIT
+if [ "$status" != 0 ]; then
+    echo "tests/e2b: failed; server log: $log" >&2
+else
+    rm -f "$log"
+fi
+exit "$status"

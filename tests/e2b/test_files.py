@@ -1,0 +1,78 @@
+"""filesystem.Filesystem and /files through the SDK."""
+
+import httpx
+import pytest
+from e2b import FileNotFoundException, FileType
+
+
+def test_write_read_text_and_bytes(shared, unique):
+    p = f"/home/user/{unique}.txt"
+    info = shared.files.write(p, "héllo")
+    assert info.path == p
+    assert shared.files.read(p) == "héllo"
+    assert shared.files.read(p, format="bytes") == "héllo".encode()
+    raw = bytes(range(256)) * 100
+    shared.files.write(f"{unique}.bin", raw)  # relative to the home dir
+    assert shared.files.read(f"/home/user/{unique}.bin", format="bytes") == raw
+    stream = shared.files.read(f"{unique}.bin", format="stream")
+    assert b"".join(stream) == raw
+
+
+def test_read_missing_raises(shared):
+    with pytest.raises(FileNotFoundException):
+        shared.files.read("/nope/missing.txt")
+
+
+def test_list_exists_info(shared, unique):
+    d = f"/tmp/{unique}"
+    shared.files.write(f"{d}/a.txt", "a")
+    shared.files.write(f"{d}/sub/b.txt", "bb")
+    names = sorted(e.name for e in shared.files.list(d))
+    assert names == ["a.txt", "sub"]
+    deep = sorted(e.path for e in shared.files.list(d, depth=2))
+    assert deep == [f"{d}/a.txt", f"{d}/sub", f"{d}/sub/b.txt"]
+    assert shared.files.exists(f"{d}/a.txt")
+    assert not shared.files.exists(f"{d}/zzz")
+    info = shared.files.get_info(f"{d}/sub/b.txt")
+    assert info.type == FileType.FILE and info.size == 2
+
+
+def test_make_dir_twice_rename_remove(shared, unique):
+    d = f"/tmp/{unique}-dir/x/y"
+    assert shared.files.make_dir(d) is True
+    assert shared.files.make_dir(d) is False
+    shared.files.write(f"/tmp/{unique}-f", "1")
+    moved = shared.files.rename(f"/tmp/{unique}-f", f"/tmp/{unique}-g")
+    assert moved.path == f"/tmp/{unique}-g"
+    assert not shared.files.exists(f"/tmp/{unique}-f")
+    shared.files.remove(f"/tmp/{unique}-g")
+    assert not shared.files.exists(f"/tmp/{unique}-g")
+    shared.files.remove(f"/tmp/{unique}-never-existed")  # no error
+
+
+def test_write_many(shared, unique):
+    entries = [{"path": f"/tmp/{unique}/m{i}.txt", "data": f"n{i}"} for i in range(5)]
+    infos = shared.files.write_files(entries)
+    assert sorted(i.path for i in infos) == sorted(e["path"] for e in entries)
+    for e in entries:
+        assert shared.files.read(e["path"]) == e["data"]
+
+
+def test_gzip_and_metadata(shared, unique):
+    p = f"/tmp/{unique}-gz"
+    shared.files.write(p, "x" * 10000, gzip=True, metadata={"Owner": "tests"})
+    assert shared.files.read(p, gzip=True) == "x" * 10000
+    assert shared.files.get_info(p).metadata.get("owner") == "tests"
+
+
+def test_signed_urls(shared, unique):
+    p = f"/tmp/{unique}-signed"
+    up = shared.upload_url(p, use_signature_expiration=60)
+    r = httpx.post(up, files={"file": ("x", b"signed-body")})
+    assert r.status_code == 200, r.text
+    down = shared.download_url(p)
+    r = httpx.get(down)
+    assert r.status_code == 200 and r.content == b"signed-body"
+    # A tampered signature is refused.
+    r = httpx.get(down.replace("signature=v1_", "signature=v1_A"))
+    assert r.status_code == 401

@@ -1,0 +1,112 @@
+"""The server process itself: the concurrency limit, SIGTERM cleanup, and reaping after a crash.
+Each test starts its own `cordon serve` (the binary run.sh exports as CORDON_BIN)."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from e2b import RateLimitException, Sandbox
+
+STATE = os.environ.get("CORDON_HOME", "/var/lib/cordon")
+KEY = "e2b_" + "1" * 40
+
+
+class Server:
+    def __init__(self, *args):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [os.environ["CORDON_BIN"], "serve", "--listen", f"127.0.0.1:{self.port}", "--api-key", KEY, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1)
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise AssertionError(self.proc.stderr.read().decode())
+                time.sleep(0.1)
+        raise AssertionError("server did not start")
+
+    def create(self, **kw):
+        return Sandbox.create(api_key=KEY, api_url=self.url, sandbox_url=self.url, timeout=60, **kw)
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=30)
+
+
+def agent_pid(sandbox_id):
+    import json
+
+    with open(f"{STATE}/run/{sandbox_id}/record.json") as f:
+        return json.load(f)["pid"]
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_concurrency_limit_is_rate_limit():
+    srv = Server("--max-sandboxes", "1")
+    try:
+        first = srv.create()
+        start = time.time()
+        with pytest.raises(RateLimitException):
+            srv.create()
+        assert time.time() - start < 3, "Should-Retry: false must stop the SDK's retries"
+        first.kill()
+        srv.create().kill()
+    finally:
+        srv.stop()
+
+
+def test_sigterm_destroys_every_sandbox():
+    srv = Server()
+    ids = [srv.create().sandbox_id for _ in range(2)]
+    pids = [agent_pid(i) for i in ids]
+    assert all(alive(p) for p in pids)
+    assert srv.stop(signal.SIGTERM) == 0
+    for i, p in zip(ids, pids):
+        assert not os.path.exists(f"{STATE}/run/{i}")
+        assert not alive(p)
+
+
+def test_crash_then_restart_reaps_orphans():
+    srv = Server()
+    sid = srv.create().sandbox_id
+    pid = agent_pid(sid)
+    srv.stop(signal.SIGKILL)
+    # The sandbox outlives its server...
+    assert os.path.exists(f"{STATE}/run/{sid}")
+    assert alive(pid)
+    # ...until the next server starts: orphans are reaped, not adopted.
+    srv2 = Server()
+    try:
+        assert not os.path.exists(f"{STATE}/run/{sid}")
+        for _ in range(50):
+            if not alive(pid):
+                break
+            time.sleep(0.1)
+        assert not alive(pid)
+    finally:
+        srv2.stop()
