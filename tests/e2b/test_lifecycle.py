@@ -127,9 +127,13 @@ def test_kill_then_calls_fail_cleanly(sandbox):
 
 
 def test_metrics(sandbox):
+    # Burn some CPU and write 8 MiB to the writable layer, then both must show.
+    sandbox.commands.run("head -c 8M /dev/zero > /home/user/blob; python3 -c 'sum(range(10**7))'")
     m = sandbox.get_metrics()
     assert len(m) >= 1
     assert m[0].mem_total > 0 and m[0].mem_used > 0
+    assert m[0].cpu_used_pct > 0
+    assert m[0].disk_used >= 8 << 20 and m[0].disk_total >= m[0].disk_used
 
 
 def test_wrong_api_key():

@@ -157,8 +157,15 @@ fn concurrent_sandboxes_cannot_see_each_other() {
         .spawn()
         .unwrap();
     ensure_base();
-    assert!(wait_until(Duration::from_secs(20), || !host_processes_with(&format!("sleep {marker}")).is_empty()));
-    let (a_pid, a_uid) = host_processes_with(&format!("sleep {marker}"))[0];
+    // Wait for A's `sleep` itself (its bash execs into it: until then the cmdline is bash's).
+    let mut found = None;
+    wait_until(Duration::from_secs(20), || {
+        found = host_processes_with(&format!("sleep {marker}")).into_iter().find(|(p, _)| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "sleep")
+        });
+        found.is_some()
+    });
+    let (a_pid, a_uid) = found.expect("sandbox A's process not seen on the host");
     // The token reaches B only through its environment, so B's own command line (visible to
     // its ps) never contains the names searched for.
     let r = sh(

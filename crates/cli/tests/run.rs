@@ -127,7 +127,12 @@ fn a_killed_cordon_is_reaped_by_the_next_one() {
     assert!(wait_until(Duration::from_secs(20), || !host_processes_with(&format!("sleep {marker}")).is_empty()));
     child.kill().unwrap(); // SIGKILL: no teardown code runs
     child.wait().unwrap();
-    let orphan = host_processes_with(&format!("sleep {marker}"));
+    // Read in a loop: a process caught mid-exec briefly shows an empty command line.
+    let mut orphan = Vec::new();
+    wait_until(Duration::from_secs(5), || {
+        orphan = host_processes_with(&format!("sleep {marker}"));
+        !orphan.is_empty()
+    });
     assert!(!orphan.is_empty(), "expected the orphaned sandbox to still be running");
     let cg = std::fs::read_to_string(format!("/proc/{}/cgroup", orphan[0].0)).unwrap();
     let id = cg

@@ -238,6 +238,12 @@ impl Cgroup {
         self.v1_dir("memory").and_then(|d| read_u64(&d.join("memory.usage_in_bytes"))).unwrap_or(0)
     }
 
+    /// CPU time used by the sandbox so far, in microseconds. The unified hierarchy keeps
+    /// `cpu.stat` even without the cpu controller (as on hybrid hosts); v1-only hosts report 0.
+    pub fn cpu_usage_usec(&self) -> u64 {
+        self.unified.as_ref().and_then(|u| read_key(&u.join("cpu.stat"), "usage_usec")).unwrap_or(0)
+    }
+
     fn v1_dir(&self, c: &str) -> Option<&PathBuf> {
         self.v1.iter().find(|(n, _)| n == c).map(|(_, d)| d)
     }

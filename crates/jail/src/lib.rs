@@ -279,6 +279,19 @@ impl Sandbox {
         unsafe { libc::poll(&mut p, 1, 0) > 0 }
     }
 
+    /// Bytes used and total of the writable layer, read through the init's view of its root.
+    pub fn disk_usage(&self) -> (u64, u64) {
+        let Ok(path) = std::ffi::CString::new(format!("/proc/{}/root/", self.pid)) else { return (0, 0) };
+        // SAFETY: zeroed statvfs is a valid output buffer.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid path and output pointer.
+        if self.pid <= 0 || unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+            return (0, 0);
+        }
+        let total = st.f_blocks * st.f_frsize;
+        (total - st.f_bfree * st.f_frsize, total)
+    }
+
     pub fn oom_kills(&self) -> u64 {
         self.cgroup.oom_kills()
     }

@@ -265,16 +265,20 @@ fn metrics(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
     let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
     let now = SystemTime::now();
     let unix = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    // One sample: CPU use averaged over the sandbox's life so far, as a share of its cores.
+    let alive_us = now.duration_since(e.started_at).map_or(0, |d| d.as_micros() as u64).max(1);
+    let cpu_pct = e.cpu_usage_usec() as f64 * 100.0 / (alive_us as f64 * f64::from(e.cpu_count.max(1)));
+    let (disk_used, disk_total) = e.disk_usage();
     let m = json!({
         "timestamp": iso(now),
         "timestampUnix": unix,
         "cpuCount": e.cpu_count,
-        "cpuUsedPct": 0.0,
+        "cpuUsedPct": (cpu_pct * 100.0).round() / 100.0,
         "memUsed": e.memory_current(),
         "memTotal": e.memory_mb << 20,
         "memCache": 0,
-        "diskUsed": 0,
-        "diskTotal": e.disk_mb << 20,
+        "diskUsed": disk_used,
+        "diskTotal": if disk_total > 0 { disk_total } else { e.disk_mb << 20 },
     });
     Ok(json_response(StatusCode::OK, &json!([m])))
 }

@@ -39,6 +39,14 @@ pub trait Instance: Send {
     fn death_fd(&self) -> Option<OwnedFd>;
     /// Memory in use now, in bytes.
     fn memory_current(&self) -> u64;
+    /// CPU time used so far, in microseconds.
+    fn cpu_usage_usec(&self) -> u64 {
+        0
+    }
+    /// Bytes used and total of the writable layer.
+    fn disk_usage(&self) -> (u64, u64) {
+        (0, 0)
+    }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), String>;
 }
@@ -75,6 +83,14 @@ impl Instance for JailInstance {
 
     fn memory_current(&self) -> u64 {
         self.0.cgroup().memory_current()
+    }
+
+    fn cpu_usage_usec(&self) -> u64 {
+        self.0.cgroup().cpu_usage_usec()
+    }
+
+    fn disk_usage(&self) -> (u64, u64) {
+        self.0.disk_usage()
     }
 
     fn destroy(&mut self) -> Result<(), String> {

@@ -54,6 +54,14 @@ impl Entry {
     pub fn memory_current(&self) -> u64 {
         self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |i| i.memory_current())
     }
+
+    pub fn cpu_usage_usec(&self) -> u64 {
+        self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |i| i.cpu_usage_usec())
+    }
+
+    pub fn disk_usage(&self) -> (u64, u64) {
+        self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or((0, 0), |i| i.disk_usage())
+    }
 }
 
 /// What a create asks for, before it has an id.
