@@ -160,9 +160,7 @@ fn concurrent_sandboxes_cannot_see_each_other() {
     // Wait for A's `sleep` itself (its bash execs into it: until then the cmdline is bash's).
     let mut found = None;
     wait_until(Duration::from_secs(20), || {
-        found = host_processes_with(&format!("sleep {marker}")).into_iter().find(|(p, _)| {
-            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "sleep")
-        });
+        found = host_sleeps(&marker).into_iter().next();
         found.is_some()
     });
     let (a_pid, a_uid) = found.expect("sandbox A's process not seen on the host");

@@ -205,11 +205,7 @@ fn setuid_escalation_stays_an_unprivileged_host_uid() {
         .spawn()
         .unwrap();
     ensure_base();
-    let seen = wait_until(std::time::Duration::from_secs(20), || {
-        host_processes_with(&format!("sleep {marker}")).iter().any(|(p, _)| {
-            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "sleep")
-        })
-    });
+    let seen = wait_until(std::time::Duration::from_secs(20), || !host_sleeps(&marker).is_empty());
     let procs = host_processes_with(&format!("sleep {marker}"));
     let _ = child.kill();
     let _ = child.wait();

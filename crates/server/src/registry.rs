@@ -51,16 +51,21 @@ impl Entry {
         *self.end_at.lock().unwrap_or_else(|p| p.into_inner()) = t;
     }
 
+    /// `f` of the live instance, or `default` once it has been destroyed.
+    fn with_instance<T>(&self, default: T, f: impl FnOnce(&dyn Instance) -> T) -> T {
+        self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_deref().map_or(default, f)
+    }
+
     pub fn memory_current(&self) -> u64 {
-        self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |i| i.memory_current())
+        self.with_instance(0, |i| i.memory_current())
     }
 
     pub fn cpu_usage_usec(&self) -> u64 {
-        self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |i| i.cpu_usage_usec())
+        self.with_instance(0, |i| i.cpu_usage_usec())
     }
 
     pub fn disk_usage(&self) -> (u64, u64) {
-        self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or((0, 0), |i| i.disk_usage())
+        self.with_instance((0, 0), |i| i.disk_usage())
     }
 }
 

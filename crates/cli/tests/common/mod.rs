@@ -167,6 +167,15 @@ pub fn host_processes_with(marker: &str) -> Vec<(u32, u32)> {
         .collect()
 }
 
+/// Host processes running `sleep <marker>` themselves: a shell that is about to exec into the
+/// sleep has the marker in its command line too, and is left out.
+pub fn host_sleeps(marker: &str) -> Vec<(u32, u32)> {
+    host_processes_with(&format!("sleep {marker}"))
+        .into_iter()
+        .filter(|(p, _)| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "sleep"))
+        .collect()
+}
+
 /// A random token, so that concurrent tests never collide on names.
 pub fn token() -> String {
     let mut b = [0u8; 8];
