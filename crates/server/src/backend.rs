@@ -190,6 +190,11 @@ impl Tiers {
                     .map_err(|e| BackendError::Unavailable(e.to_string()))?;
                 Ok(JailBackend::new(jail, store, host.envd_version.clone()))
             }
+            Tier::Gvisor => {
+                let gv = cordon_gvisor::Gvisor::open(&host.state_dir, &host.exe)
+                    .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+                Ok(GvisorBackend::new(gv, store, host.envd_version.clone()))
+            }
             t => Err(BackendError::Unavailable(format!(
                 "tier '{t}' cannot run on this host: this build of cordon has no {t} backend yet; use the ns tier (see `cordon doctor`)"
             ))),
@@ -283,6 +288,83 @@ impl Backend for JailBackend {
         };
         let sb = self.jail.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
         Ok(Box::new(JailInstance(sb)))
+    }
+}
+
+/// The `gvisor` tier: images from the store, sandboxes run by runsc.
+pub struct GvisorBackend {
+    gv: cordon_gvisor::Gvisor,
+    store: cordon_image::Store,
+    envd_version: Option<String>,
+}
+
+impl GvisorBackend {
+    /// `gv` must come from `Gvisor::open`, which has already reaped what a crashed cordon left.
+    pub fn new(gv: cordon_gvisor::Gvisor, store: cordon_image::Store, envd_version: Option<String>) -> Arc<GvisorBackend> {
+        Arc::new(GvisorBackend { gv, store, envd_version })
+    }
+}
+
+struct GvisorInstance(cordon_gvisor::Sandbox);
+
+impl Instance for GvisorInstance {
+    fn socket_path(&self) -> &Path {
+        self.0.socket_path()
+    }
+
+    fn death_fd(&self) -> Option<OwnedFd> {
+        self.0.pidfd().and_then(|fd| fd.try_clone().ok())
+    }
+
+    fn memory_current(&self) -> u64 {
+        self.0.cgroup().memory_current()
+    }
+
+    fn cpu_usage_usec(&self) -> u64 {
+        self.0.cgroup().cpu_usage_usec()
+    }
+
+    fn disk_usage(&self) -> (u64, u64) {
+        self.0.disk_usage()
+    }
+
+    fn kill(&self) {
+        self.0.kill()
+    }
+
+    fn oom_kills(&self) -> u64 {
+        self.0.cgroup().oom_kills()
+    }
+
+    fn peak_memory(&self) -> u64 {
+        self.0.cgroup().peak_memory()
+    }
+
+    fn destroy(&mut self) -> Result<(), String> {
+        self.0.destroy().map_err(|e| e.to_string())
+    }
+}
+
+impl Backend for GvisorBackend {
+    fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
+        let image = image_of(&self.store, &spec.template)?;
+        spec.limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
+        if spec.allow_ptrace {
+            // gVisor implements ptrace in its own kernel: nothing to open up on the host.
+            tracing::debug!(id = %spec.id, "allow_ptrace has no effect under gVisor");
+        }
+        let agent_cfg = agent_config(spec, &image, self.envd_version.as_deref());
+        let cfg = cordon_gvisor::SandboxConfig {
+            id: spec.id.clone(),
+            rootfs: image.rootfs.clone(),
+            limits: spec.limits.clone(),
+            agent_env: vec![(
+                cordon_agent::ENV_CONFIG.into(),
+                serde_json::to_string(&agent_cfg).map_err(|e| BackendError::Failed(e.to_string()))?,
+            )],
+        };
+        let sb = self.gv.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
+        Ok(Box::new(GvisorInstance(sb)))
     }
 }
 

@@ -1,0 +1,153 @@
+//! The OCI bundle runsc runs: `config.json` written with the `oci-spec` crate from the sandbox's
+//! plan. The root is the overlay cordon mounted; the agent is the container's init.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use oci_spec::runtime::{
+    Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxNamespaceBuilder, LinuxNamespaceType, MountBuilder,
+    PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
+};
+
+/// Where the agent binary appears inside the sandbox. Its file name is what makes the cordon
+/// binary run as the agent.
+pub const AGENT_PATH: &str = "/.cordon/cordon-agent";
+
+/// What goes into one bundle.
+pub struct Bundle<'a> {
+    pub id: &'a str,
+    /// The mounted overlay root (host path).
+    pub rootfs: &'a Path,
+    /// The cordon binary on the host, bind-mounted read-only as the agent.
+    pub agent: &'a Path,
+    /// Environment of the agent (its link and its configuration).
+    pub agent_env: &'a [(String, String)],
+    pub disk_bytes: u64,
+    pub nofile: u64,
+}
+
+/// What the agent needs to start commands as other users, and nothing for the host: gVisor
+/// implements these capabilities inside its own kernel.
+const CAPS: [Capability; 9] = [
+    Capability::Chown,
+    Capability::DacOverride,
+    Capability::Fowner,
+    Capability::Fsetid,
+    Capability::Kill,
+    Capability::Setgid,
+    Capability::Setuid,
+    Capability::Setpcap,
+    Capability::NetBindService,
+];
+
+fn err(e: impl std::fmt::Display) -> crate::GvisorError {
+    crate::GvisorError::Setup(format!("OCI bundle: {e}"))
+}
+
+fn mount(dest: &str, typ: &str, source: &str, options: &[&str]) -> Result<oci_spec::runtime::Mount, crate::GvisorError> {
+    MountBuilder::default()
+        .destination(PathBuf::from(dest))
+        .typ(typ)
+        .source(PathBuf::from(source))
+        .options(options.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        .build()
+        .map_err(err)
+}
+
+impl Bundle<'_> {
+    pub fn spec(&self) -> Result<Spec, crate::GvisorError> {
+        let caps: HashSet<Capability> = CAPS.into_iter().collect();
+        let capabilities = LinuxCapabilitiesBuilder::default()
+            .bounding(caps.clone())
+            .effective(caps.clone())
+            .permitted(caps.clone())
+            .inheritable(HashSet::new())
+            .ambient(HashSet::new())
+            .build()
+            .map_err(err)?;
+        let env = self.agent_env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>();
+        let process = ProcessBuilder::default()
+            .terminal(false)
+            .user(UserBuilder::default().uid(0u32).gid(0u32).build().map_err(err)?)
+            .args(vec![AGENT_PATH.to_string()])
+            .env(env)
+            .cwd(PathBuf::from("/"))
+            .capabilities(capabilities)
+            .no_new_privileges(true)
+            .rlimits(vec![PosixRlimitBuilder::default()
+                .typ(PosixRlimitType::RlimitNofile)
+                .hard(self.nofile)
+                .soft(self.nofile)
+                .build()
+                .map_err(err)?])
+            .build()
+            .map_err(err)?;
+        let disk = self.disk_bytes;
+        let agent = self.agent.to_str().ok_or_else(|| err("the cordon binary's path is not UTF-8"))?;
+        let mounts = vec![
+            mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"])?,
+            mount("/dev", "tmpfs", "tmpfs", &["nosuid", "mode=755"])?,
+            mount("/dev/pts", "devpts", "devpts", &["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"])?,
+            mount("/dev/shm", "tmpfs", "shm", &["nosuid", "noexec", "nodev", "mode=1777", &format!("size={disk}")])?,
+            mount("/sys", "sysfs", "sysfs", &["nosuid", "noexec", "nodev", "ro"])?,
+            mount("/tmp", "tmpfs", "tmpfs", &["nosuid", "nodev", "mode=1777", &format!("size={disk}")])?,
+            mount(AGENT_PATH, "bind", agent, &["bind", "ro", "nosuid", "nodev"])?,
+        ];
+        let namespaces = [
+            LinuxNamespaceType::Pid,
+            LinuxNamespaceType::Network,
+            LinuxNamespaceType::Ipc,
+            LinuxNamespaceType::Uts,
+            LinuxNamespaceType::Mount,
+        ]
+        .into_iter()
+        .map(|t| LinuxNamespaceBuilder::default().typ(t).build().map_err(err))
+        .collect::<Result<Vec<_>, _>>()?;
+        SpecBuilder::default()
+            .version("1.0.2")
+            .root(RootBuilder::default().path(self.rootfs.to_path_buf()).readonly(false).build().map_err(err)?)
+            .process(process)
+            .hostname(self.id.to_string())
+            .mounts(mounts)
+            .linux(LinuxBuilder::default().namespaces(namespaces).build().map_err(err)?)
+            .build()
+            .map_err(err)
+    }
+
+    /// Writes `config.json` into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<(), crate::GvisorError> {
+        self.spec()?.save(dir.join("config.json")).map_err(err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bundle_says_what_the_sandbox_is() {
+        let env = vec![("CORDON_AGENT_LINK".to_string(), "stdio".to_string())];
+        let b = Bundle {
+            id: "isbx",
+            rootfs: Path::new("/state/gvisor/isbx/rootfs"),
+            agent: Path::new("/usr/local/bin/cordon"),
+            agent_env: &env,
+            disk_bytes: 1 << 20,
+            nofile: 4096,
+        };
+        let v = serde_json::to_value(b.spec().unwrap()).unwrap();
+        assert_eq!(v["hostname"], "isbx");
+        assert_eq!(v["root"]["path"], "/state/gvisor/isbx/rootfs");
+        assert_eq!(v["process"]["args"][0], AGENT_PATH);
+        assert_eq!(v["process"]["env"][0], "CORDON_AGENT_LINK=stdio");
+        assert_eq!(v["process"]["noNewPrivileges"], true);
+        assert_eq!(v["process"]["rlimits"][0]["hard"], 4096);
+        let mounts = v["mounts"].as_array().unwrap();
+        let agent = mounts.iter().find(|m| m["destination"] == AGENT_PATH).unwrap();
+        assert!(agent["options"].as_array().unwrap().contains(&"ro".into()));
+        let tmp = mounts.iter().find(|m| m["destination"] == "/tmp").unwrap();
+        assert!(tmp["options"].as_array().unwrap().contains(&"size=1048576".into()));
+        let caps = v["process"]["capabilities"]["bounding"].as_array().unwrap();
+        assert!(!caps.contains(&"CAP_SYS_ADMIN".into()));
+    }
+}

@@ -1,0 +1,210 @@
+//! Starting `runsc run` in namespaces of its own, and serving the agent's link to the host.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::GvisorError;
+
+/// Everything `spawn` needs, resolved before the fork.
+pub struct Plan<'a> {
+    pub runsc: &'a Path,
+    pub platform: &'a str,
+    pub id: &'a str,
+    /// The sandbox's directory: bundle, runsc state, log.
+    pub dir: &'a Path,
+    /// The image's read-only tree.
+    pub image: &'a Path,
+    /// Mount point of the sandbox's root (empty on the host).
+    pub rootfs: &'a Path,
+    /// Mount point of the writable layer's tmpfs (empty on the host).
+    pub disk: &'a Path,
+    pub disk_bytes: u64,
+    pub cgroup_procs: Vec<PathBuf>,
+}
+
+pub struct Launched {
+    pub child: std::process::Child,
+    pub pidfd: OwnedFd,
+    /// The host's ends of the agent's stdio: read what the agent writes, write what it reads.
+    pub from_agent: OwnedFd,
+    pub to_agent: OwnedFd,
+}
+
+fn cstr(p: &Path) -> Result<CString, GvisorError> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| GvisorError::Setup(format!("path {} contains NUL", p.display())))
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two new descriptors into `fds`.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created and are owned here alone.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn check(r: libc::c_int) -> io::Result<()> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Starts `runsc run` with the agent's stdio on two pipes. In the child, before runsc runs: join
+/// the sandbox's cgroups, unshare a mount and a network namespace, and mount the root there.
+pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
+    // Everything the child uses is allocated here: between fork and exec only syscalls run.
+    let procs: Vec<CString> = plan.cgroup_procs.iter().map(|p| cstr(p)).collect::<Result<_, _>>()?;
+    let root = CString::new("/").expect("no NUL");
+    let tmpfs = CString::new("tmpfs").expect("no NUL");
+    let overlay = CString::new("overlay").expect("no NUL");
+    let rw_source = CString::new("cordon-rw").expect("no NUL");
+    let root_source = CString::new("cordon-root").expect("no NUL");
+    let disk = cstr(plan.disk)?;
+    let rootfs = cstr(plan.rootfs)?;
+    let upper = cstr(&plan.disk.join("upper"))?;
+    let work = cstr(&plan.disk.join("work"))?;
+    let disk_opts = CString::new(format!("size={},mode=0755", plan.disk_bytes)).expect("no NUL");
+    let ovl_opts = cstr(Path::new(&format!(
+        "lowerdir={},upperdir={},workdir={}",
+        plan.image.display(),
+        plan.disk.join("upper").display(),
+        plan.disk.join("work").display()
+    )))?;
+
+    let (to_agent_r, to_agent_w) = pipe().map_err(crate::io_err("create pipe"))?;
+    let (from_agent_r, from_agent_w) = pipe().map_err(crate::io_err("create pipe"))?;
+    let log = std::fs::File::create(plan.dir.join("runsc.log")).map_err(crate::io_err("create runsc.log"))?;
+
+    let mut cmd = Command::new(plan.runsc);
+    cmd.arg(format!("--root={}", plan.dir.join("runsc").display()))
+        .arg(format!("--platform={}", plan.platform))
+        // No network: gVisor's own loopback only. (This runsc's `sandbox` mode cannot tell a new
+        // network namespace from the host's on recent kernels and refuses to start.)
+        .arg("--network=none")
+        // cordon made the cgroups and runsc is already in them.
+        .arg("--ignore-cgroups")
+        // The root is cordon's overlay, with its disk cap: no second overlay inside gVisor.
+        .arg("--overlay2=none")
+        .arg("run")
+        .arg(format!("--bundle={}", plan.dir.display()))
+        .arg(plan.id)
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .stdin(Stdio::from(to_agent_r))
+        .stdout(Stdio::from(from_agent_w))
+        .stderr(Stdio::from(log));
+    // SAFETY: the closure only makes syscalls on data prepared above (no allocation, no locks),
+    // which is what is allowed between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            for p in &procs {
+                let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                check(fd)?;
+                let n = libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                if n != 1 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            check(libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWNET))?;
+            // Nothing mounted from here on propagates to the host.
+            check(libc::mount(std::ptr::null(), root.as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()))?;
+            check(libc::mount(
+                rw_source.as_ptr(),
+                disk.as_ptr(),
+                tmpfs.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOATIME,
+                disk_opts.as_ptr().cast(),
+            ))?;
+            check(libc::mkdir(upper.as_ptr(), 0o755))?;
+            check(libc::mkdir(work.as_ptr(), 0o700))?;
+            check(libc::mount(root_source.as_ptr(), rootfs.as_ptr(), overlay.as_ptr(), 0, ovl_opts.as_ptr().cast()))?;
+            Ok(())
+        });
+    }
+    tracing::debug!(id = plan.id, platform = plan.platform, "spawning runsc run");
+    let child = cmd.spawn().map_err(|e| {
+        GvisorError::Setup(format!("start {} in the sandbox's namespaces: {e}", plan.runsc.display()))
+    })?;
+    let pidfd = pidfd_open(child.id() as i32).map_err(crate::io_err("pidfd_open runsc"))?;
+    Ok(Launched { child, pidfd, from_agent: from_agent_r, to_agent: to_agent_w })
+}
+
+fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
+    // SAFETY: integer arguments; the returned fd is new and ours.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+}
+
+/// The thread serving the agent's socket from its link.
+pub struct LinkThread {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LinkThread {
+    /// Stops serving and waits for the thread (live connections are dropped).
+    pub fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Serves `listener` over the agent's pipes on a thread of its own (one small runtime per
+/// sandbox: the link must keep moving whatever the caller's runtime does).
+pub fn serve_link(from_agent: OwnedFd, to_agent: OwnedFd, listener: std::os::unix::net::UnixListener) -> Result<LinkThread, GvisorError> {
+    listener.set_nonblocking(true).map_err(crate::io_err("agent socket"))?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("gvisor-link".into())
+        .spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_io().build() else { return };
+            rt.block_on(async move {
+                let (link, listener) = match (cordon_channel::FdLink::new(from_agent, to_agent), tokio::net::UnixListener::from_std(listener)) {
+                    (Ok(l), Ok(s)) => (l, s),
+                    _ => return,
+                };
+                tokio::select! {
+                    r = cordon_channel::serve_unix(link, listener) => tracing::debug!("agent link ended: {r:?}"),
+                    _ = stopped => {}
+                }
+            });
+        })
+        .map_err(crate::io_err("start the link thread"))?;
+    Ok(LinkThread { stop: Some(stop), thread: Some(thread) })
+}
+
+/// Takes the lock without waiting; false when another process holds it.
+pub fn flock_nb(f: &std::fs::File) -> bool {
+    // SAFETY: flock on a valid fd.
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
+/// (used, total) bytes of the filesystem at `path`.
+pub fn statvfs_used(path: &str) -> (u64, u64) {
+    let Ok(c) = CString::new(path) else { return (0, 0) };
+    // SAFETY: zeroed statvfs is a valid output buffer.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid path and output pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return (0, 0);
+    }
+    let total = st.f_blocks * st.f_frsize;
+    (total - st.f_bfree * st.f_frsize, total)
+}

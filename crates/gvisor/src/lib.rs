@@ -1,0 +1,359 @@
+//! The `gvisor` tier: the same sandbox as the `ns` tier (same image, overlay root, caps, no
+//! network, agent as init) run by gVisor's `runsc`, whose user-space kernel answers the
+//! sandbox's syscalls so that few of them reach the host's.
+//!
+//! How one sandbox is made ([`Gvisor::create`]):
+//! - a directory `<state>/gvisor/run/<id>` with a lock held for the sandbox's life and a record
+//!   of its cgroups, written before anything is started (a crashed cordon's sandboxes are
+//!   reaped by the next [`Gvisor::open`], as in the `ns` tier);
+//! - cgroups (`cordon_jail::Cgroup`) holding runsc and everything it starts, so that the caps
+//!   cover gVisor's own processes and one `cgroup.kill` ends all of it;
+//! - runsc is started in a mount and a network namespace of its own, made just before it runs:
+//!   the mount namespace holds the sandbox's root (the image's read-only tree under a writable
+//!   tmpfs layer capped at the disk size), the network namespace has nothing but a down
+//!   loopback. Both die with runsc's last process, so they cannot leak;
+//! - the OCI bundle ([`bundle`]) names the cordon binary, bind-mounted read-only, as init;
+//! - runsc's state (`--root`) lives in the sandbox's directory, removed at teardown;
+//! - the agent reaches the host over its stdio pipes, multiplexed by `cordon-channel`, and the
+//!   host serves the usual agent socket in the sandbox's directory from it.
+
+pub mod bundle;
+mod launch;
+pub mod runsc;
+
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cordon_jail::{Cgroup, Layout};
+use cordon_spec::Limits;
+use serde::{Deserialize, Serialize};
+
+pub use runsc::Runsc;
+
+/// Memory the host allows a gvisor sandbox on top of its cap: gVisor's kernel (the sentry), its
+/// file proxy (the gofer) and runsc itself live in the sandbox's cgroup and are charged to it.
+pub const MEMORY_OVERHEAD: u64 = 160 << 20;
+/// Host tasks allowed on top of the pids cap, for the same reason (Go runtime threads).
+pub const PIDS_OVERHEAD: u32 = 192;
+/// How long a new sandbox's agent may take to answer.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Errors of the gvisor tier. Each says what failed and, where there is one, the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum GvisorError {
+    /// The host cannot run this tier (no runsc, no cgroups).
+    #[error("the gvisor tier cannot run here: {0}")]
+    Unavailable(String),
+    /// An operation on the host failed.
+    #[error("{what}: {source}")]
+    Io { what: String, source: io::Error },
+    /// The sandbox could not be started; the message says why (runsc's own words included).
+    #[error("{0}")]
+    Setup(String),
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> GvisorError {
+    let what = what.into();
+    move |source| GvisorError::Io { what, source }
+}
+
+/// What to create.
+#[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    pub id: String,
+    /// The image's root tree (read-only; never written).
+    pub rootfs: PathBuf,
+    pub limits: Limits,
+    /// Environment given to the agent (its config).
+    pub agent_env: Vec<(String, String)>,
+}
+
+/// What is on disk about a sandbox, enough to reap it after a crash.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Record {
+    id: String,
+    cgroup: Cgroup,
+    pid: Option<i32>,
+}
+
+/// The tier on this host: runsc, the platform, the state directory.
+pub struct Gvisor {
+    run_dir: PathBuf,
+    runsc: Runsc,
+    platform: String,
+    layout: Layout,
+    agent: PathBuf,
+}
+
+impl Gvisor {
+    /// Finds runsc, opens (creating) `<state>/gvisor/run`, and reaps whatever a crashed cordon
+    /// left there. `exe` is the cordon binary, bind-mounted into each sandbox as its agent.
+    pub fn open(state_dir: &Path, exe: &Path) -> Result<Gvisor, GvisorError> {
+        let runsc = Runsc::locate()?;
+        let dir = state_dir.join("gvisor");
+        let run_dir = dir.join("run");
+        fs::create_dir_all(&run_dir).map_err(io_err(format!("create {}", run_dir.display())))?;
+        let platform = runsc::platform(&runsc, &dir.join("platform"))?;
+        let layout = Layout::detect();
+        let missing = layout.missing();
+        if !missing.is_empty() {
+            return Err(GvisorError::Unavailable(format!("cgroup controllers missing: {}", missing.join(", "))));
+        }
+        if layout.unified.is_none() {
+            return Err(GvisorError::Unavailable("no cgroup2 hierarchy (its cgroup.kill ends a sandbox at once)".into()));
+        }
+        // The agent is a path runsc's file proxy opens: the real file, not /proc/self/exe.
+        let agent = fs::canonicalize(exe).map_err(io_err(format!("resolve {}", exe.display())))?;
+        let gv = Gvisor { run_dir, runsc, platform, layout, agent };
+        gv.reap_orphans();
+        Ok(gv)
+    }
+
+    pub fn runsc(&self) -> &Runsc {
+        &self.runsc
+    }
+
+    /// The platform sandboxes run on (`ptrace`, `systrap` or `kvm`).
+    pub fn platform(&self) -> &str {
+        &self.platform
+    }
+
+    /// Kills and removes every sandbox whose owning process is gone. Returns how many.
+    pub fn reap_orphans(&self) -> usize {
+        let Ok(entries) = fs::read_dir(&self.run_dir) else { return 0 };
+        let mut reaped = 0;
+        for e in entries.flatten() {
+            let dir = e.path();
+            let Ok(lock) = fs::File::open(dir.join("lock")) else {
+                let _ = fs::remove_dir_all(&dir);
+                continue;
+            };
+            if !launch::flock_nb(&lock) {
+                continue; // its owner is alive
+            }
+            if let Ok(rec) = fs::read(dir.join("record.json"))
+                .map_err(drop)
+                .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(drop))
+            {
+                tracing::info!(id = %rec.id, "reaping gvisor sandbox left by a dead cordon process");
+                rec.cgroup.kill_and_wait(Duration::from_secs(5));
+                let _ = rec.cgroup.remove();
+            }
+            let _ = fs::remove_dir_all(&dir);
+            reaped += 1;
+        }
+        reaped
+    }
+
+    /// Creates a running sandbox whose agent answers on [`Sandbox::socket_path`].
+    pub fn create(&self, cfg: &SandboxConfig) -> Result<Sandbox, GvisorError> {
+        cfg.limits.validate().map_err(|e| GvisorError::Setup(e.to_string()))?;
+        let started = Instant::now();
+        let dir = self.run_dir.join(&cfg.id);
+        fs::create_dir(&dir).map_err(io_err(format!("create {}", dir.display())))?;
+        let lock = match fs::File::create(dir.join("lock")) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(io_err("create lock")(e));
+            }
+        };
+        // Held for the sandbox's life: a free lock means a dead owner (see reap_orphans).
+        launch::flock_nb(&lock);
+        let mut sb = Sandbox {
+            id: cfg.id.clone(),
+            socket: dir.join("agent.sock"),
+            dir,
+            cgroup: Cgroup::plan(&self.layout, &cfg.id),
+            child: None,
+            pidfd: None,
+            link: None,
+            _lock: lock,
+            torn_down: false,
+        };
+        // From here on, dropping `sb` on any error undoes every step taken so far.
+        sb.write_record()?;
+        let mut host_limits = cfg.limits.clone();
+        host_limits.memory_bytes += MEMORY_OVERHEAD;
+        host_limits.pids += PIDS_OVERHEAD;
+        sb.cgroup.create(&host_limits).map_err(io_err("create cgroups"))?;
+
+        let rootfs = sb.dir.join("rootfs");
+        let disk = sb.dir.join("disk");
+        for d in [&rootfs, &disk] {
+            fs::create_dir(d).map_err(io_err(format!("create {}", d.display())))?;
+        }
+        let mut agent_env = vec![(String::from("CORDON_AGENT_LINK"), String::from("stdio"))];
+        agent_env.extend(cfg.agent_env.iter().cloned());
+        bundle::Bundle {
+            id: &cfg.id,
+            rootfs: &rootfs,
+            agent: &self.agent,
+            agent_env: &agent_env,
+            disk_bytes: cfg.limits.disk_bytes,
+            nofile: cfg.limits.nofile,
+        }
+        .write(&sb.dir)?;
+
+        let listener = std::os::unix::net::UnixListener::bind(&sb.socket).map_err(io_err("bind the agent socket"))?;
+        let plan = launch::Plan {
+            runsc: &self.runsc.path,
+            platform: &self.platform,
+            id: &cfg.id,
+            dir: &sb.dir,
+            image: &cfg.rootfs,
+            rootfs: &rootfs,
+            disk: &disk,
+            disk_bytes: cfg.limits.disk_bytes,
+            cgroup_procs: sb.cgroup.procs_files(),
+        };
+        let launched = launch::spawn(&plan)?;
+        sb.pidfd = Some(launched.pidfd);
+        sb.child = Some(launched.child);
+        sb.link = Some(launch::serve_link(launched.from_agent, launched.to_agent, listener)?);
+        sb.write_record()?;
+        sb.wait_ready()?;
+        tracing::debug!(id = %cfg.id, elapsed = ?started.elapsed(), platform = %self.platform, "gvisor sandbox ready");
+        Ok(sb)
+    }
+}
+
+/// A live gvisor sandbox. Dropping it kills everything in it and removes every trace.
+pub struct Sandbox {
+    id: String,
+    dir: PathBuf,
+    socket: PathBuf,
+    cgroup: Cgroup,
+    child: Option<std::process::Child>,
+    pidfd: Option<OwnedFd>,
+    link: Option<launch::LinkThread>,
+    _lock: fs::File,
+    torn_down: bool,
+}
+
+impl Sandbox {
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The agent's socket, served by the host from the sandbox's link.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// A pidfd of `runsc run`; it becomes readable when the sandbox dies.
+    pub fn pidfd(&self) -> Option<&OwnedFd> {
+        self.pidfd.as_ref()
+    }
+
+    pub fn cgroup(&self) -> &Cgroup {
+        &self.cgroup
+    }
+
+    /// Host pid of `runsc run`.
+    pub fn host_pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Kills every process of the sandbox now: runsc, its gofer and gVisor's kernel.
+    pub fn kill(&self) {
+        self.cgroup.kill();
+    }
+
+    /// Bytes used and total of the writable layer, through runsc's mount namespace.
+    pub fn disk_usage(&self) -> (u64, u64) {
+        let Some(pid) = self.host_pid() else { return (0, 0) };
+        launch::statvfs_used(&format!("/proc/{pid}/root{}", self.dir.join("disk").display()))
+    }
+
+    fn write_record(&self) -> Result<(), GvisorError> {
+        let rec = Record { id: self.id.clone(), cgroup: self.cgroup.clone(), pid: self.host_pid().map(|p| p as i32) };
+        let tmp = self.dir.join("record.json.tmp");
+        fs::write(&tmp, serde_json::to_vec(&rec).expect("record serialises")).map_err(io_err("write record"))?;
+        fs::rename(&tmp, self.dir.join("record.json")).map_err(io_err("write record"))
+    }
+
+    /// runsc's own last words, for error messages.
+    fn runsc_log(&self) -> String {
+        let text = fs::read_to_string(self.dir.join("runsc.log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        lines[lines.len().saturating_sub(3)..].join(" / ")
+    }
+
+    /// Waits until the agent answers `/health` through the link, or fails with runsc's reason.
+    fn wait_ready(&mut self) -> Result<(), GvisorError> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Ok(true) = health(&self.socket, deadline.saturating_duration_since(Instant::now())) {
+                return Ok(());
+            }
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(GvisorError::Setup(format!(
+                        "runsc exited ({status}) before the agent answered: {}",
+                        self.runsc_log()
+                    )));
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(GvisorError::Setup(format!(
+                    "the agent did not answer within {READY_TIMEOUT:?}: {}",
+                    self.runsc_log()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Kills the sandbox and removes its processes, cgroups and files. Idempotent.
+    pub fn destroy(&mut self) -> Result<(), GvisorError> {
+        if self.torn_down {
+            return Ok(());
+        }
+        self.torn_down = true;
+        self.kill();
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
+        let removed = self.cgroup.remove();
+        if let Some(link) = self.link.take() {
+            link.stop();
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+        if !emptied {
+            return Err(GvisorError::Setup(format!("sandbox {} did not die within 5 s", self.id)));
+        }
+        removed.map_err(io_err("remove cgroups"))
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if let Err(e) = self.destroy() {
+            tracing::warn!("teardown of {}: {e}", self.id);
+        }
+    }
+}
+
+/// One `GET /health` over the socket: true on 204.
+fn health(socket: &Path, timeout: Duration) -> io::Result<bool> {
+    let mut s = std::os::unix::net::UnixStream::connect(socket)?;
+    s.set_read_timeout(Some(timeout.max(Duration::from_millis(10))))?;
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")?;
+    let mut head = [0u8; 12];
+    let mut got = 0;
+    while got < head.len() {
+        let n = s.read(&mut head[got..])?;
+        if n == 0 {
+            return Ok(false);
+        }
+        got += n;
+    }
+    let _ = s.as_raw_fd();
+    Ok(head.starts_with(b"HTTP/1.1 204"))
+}

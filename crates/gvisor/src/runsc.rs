@@ -1,0 +1,138 @@
+//! Finding runsc, its version, and the platform (how gVisor intercepts syscalls) it will use.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::GvisorError;
+
+/// Environment variable naming the runsc binary (default: `runsc` on `PATH`).
+pub const ENV_RUNSC: &str = "CORDON_RUNSC";
+/// Environment variable forcing a platform (`ptrace`, `systrap`, `kvm`) instead of the default.
+pub const ENV_PLATFORM: &str = "CORDON_RUNSC_PLATFORM";
+
+/// The runsc binary cordon drives.
+#[derive(Debug, Clone)]
+pub struct Runsc {
+    pub path: PathBuf,
+    /// First line of `runsc --version`, e.g. `runsc version 0.0~20221219.0`.
+    pub version: String,
+    /// Platforms this build knows (`runsc help platforms`).
+    pub platforms: Vec<String>,
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+impl Runsc {
+    /// Finds runsc (`CORDON_RUNSC`, else `PATH`) and asks it what it is.
+    pub fn locate() -> Result<Runsc, GvisorError> {
+        let path = match std::env::var_os(ENV_RUNSC).filter(|v| !v.is_empty()) {
+            Some(p) => {
+                let p = PathBuf::from(p);
+                if !p.is_file() {
+                    return Err(GvisorError::Unavailable(format!(
+                        "{ENV_RUNSC}={} does not exist: point it at a runsc binary or unset it",
+                        p.display()
+                    )));
+                }
+                p
+            }
+            None => on_path("runsc").ok_or_else(|| {
+                GvisorError::Unavailable(
+                    "runsc (gVisor) is not installed: run scripts/install-deps (apt package runsc), or set CORDON_RUNSC".into(),
+                )
+            })?,
+        };
+        let out = Command::new(&path)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| GvisorError::Unavailable(format!("cannot run {}: {e}", path.display())))?;
+        if !out.status.success() {
+            return Err(GvisorError::Unavailable(format!("{} --version failed: is it runsc?", path.display())));
+        }
+        let version = String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").trim().to_string();
+        let help = Command::new(&path).args(["help", "platforms"]).stdin(Stdio::null()).output();
+        let platforms = help
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && l.chars().all(|c| c.is_ascii_alphanumeric()))
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Runsc { path, version, platforms })
+    }
+
+    pub fn knows(&self, platform: &str) -> bool {
+        self.platforms.iter().any(|p| p == platform)
+    }
+
+    /// Runs `runsc --platform=<p> do true` with a deadline: whether that platform works here.
+    /// (`kvm` hangs on some hosts, so a probe must never wait unbounded.)
+    pub fn probe(&self, platform: &str, scratch: &Path, deadline: Duration) -> Result<Duration, String> {
+        if !self.knows(platform) {
+            return Err(format!("this runsc does not know the {platform} platform"));
+        }
+        let root = scratch.join(format!("probe-{platform}-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&root);
+        let started = Instant::now();
+        let mut child = Command::new(&self.path)
+            .arg(format!("--root={}", root.display()))
+            .arg(format!("--platform={platform}"))
+            .args(["--network=none", "--ignore-cgroups", "do", "true"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let result = loop {
+            match child.try_wait() {
+                Ok(Some(st)) if st.success() => break Ok(started.elapsed()),
+                Ok(Some(st)) => break Err(format!("runsc do true failed ({st})")),
+                Ok(None) if started.elapsed() > deadline => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break Err(format!("no answer within {deadline:?} (hangs)"));
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+                Err(e) => break Err(e.to_string()),
+            }
+        };
+        let _ = std::fs::remove_dir_all(&root);
+        result
+    }
+}
+
+/// The platform a sandbox runs on: `CORDON_RUNSC_PLATFORM` when set, else the one a previous
+/// probe (`cordon doctor`) recorded in `choice_file` for this runsc version, else `systrap` when
+/// this runsc knows it, else `ptrace`, which every build has and needs nothing of the host.
+pub fn platform(runsc: &Runsc, choice_file: &Path) -> Result<String, GvisorError> {
+    if let Some(p) = std::env::var(ENV_PLATFORM).ok().filter(|p| !p.is_empty()) {
+        if !runsc.knows(&p) {
+            return Err(GvisorError::Unavailable(format!(
+                "{ENV_PLATFORM}={p}: this runsc knows only {}",
+                runsc.platforms.join(", ")
+            )));
+        }
+        return Ok(p);
+    }
+    if let Ok(text) = std::fs::read_to_string(choice_file) {
+        if let Some((version, p)) = text.trim().rsplit_once('\t') {
+            if version == runsc.version && runsc.knows(p) {
+                return Ok(p.to_string());
+            }
+        }
+    }
+    Ok(if runsc.knows("systrap") { "systrap" } else { "ptrace" }.to_string())
+}
+
+/// Records a probed platform choice for this runsc version (see [`platform`]).
+pub fn record_platform(runsc: &Runsc, choice_file: &Path, platform: &str) -> std::io::Result<()> {
+    std::fs::write(choice_file, format!("{}\t{platform}\n", runsc.version))
+}
