@@ -173,10 +173,7 @@ fn checks(state: &State) -> Vec<Check> {
     } else {
         warn("kvm", "no /dev/kvm: a vm tier would run under TCG emulation", "load kvm_intel or kvm_amd, or enable nested virtualisation")
     });
-    out.push(match which("runsc") {
-        Some(p) => ok("runsc", p),
-        None => warn("runsc", "gVisor not installed", "apt-get install runsc"),
-    });
+    out.push(runsc_check(state));
     out.push(match which("qemu-system-x86_64") {
         Some(p) => ok("qemu", p),
         None => warn("qemu", "qemu-system-x86 not installed", "apt-get install qemu-system-x86"),
@@ -189,6 +186,44 @@ fn checks(state: &State) -> Vec<Check> {
         warn("image base", "not built yet (it is built on first `cordon run`)", "cordon image build base")
     });
     out
+}
+
+/// runsc, its version, and the platform the gvisor tier will use. `ptrace` always works where
+/// runsc does; `systrap` and `kvm` are chosen only when this runsc knows them and a probe with a
+/// deadline runs a sandbox on them (kvm hangs on some hosts). The choice is recorded for `run`.
+fn runsc_check(state: &State) -> Check {
+    use cordon_gvisor::runsc;
+    let rs = match cordon_gvisor::Runsc::locate() {
+        Ok(r) => r,
+        Err(e) => return warn("runsc", e.to_string(), "scripts/install-deps (apt-get install runsc), or set CORDON_RUNSC"),
+    };
+    let scratch = state.dir().join("gvisor");
+    let _ = std::fs::create_dir_all(&scratch);
+    let deadline = std::time::Duration::from_secs(3);
+    let mut notes = Vec::new();
+    let mut chosen = None;
+    for p in ["systrap", "kvm", "ptrace"] {
+        if p == "kvm" && !Path::new("/dev/kvm").exists() {
+            notes.push("kvm: no /dev/kvm".to_string());
+            continue;
+        }
+        match rs.probe(p, &scratch, deadline) {
+            Ok(t) if chosen.is_none() => {
+                chosen = Some(p);
+                notes.push(format!("{p}: works ({} ms)", t.as_millis()));
+            }
+            Ok(t) => notes.push(format!("{p}: works ({} ms)", t.as_millis())),
+            Err(e) => notes.push(format!("{p}: {e}")),
+        }
+    }
+    let detail = format!("{} ({})", rs.path.display(), rs.version);
+    match chosen {
+        Some(p) => {
+            let _ = runsc::record_platform(&rs, &scratch.join("platform"), p);
+            ok("runsc", format!("{detail}, platform {p}; {}", notes.join("; ")))
+        }
+        None => warn("runsc", format!("{detail}: no platform runs a sandbox; {}", notes.join("; ")), "check `runsc --platform=ptrace do true` by hand"),
+    }
 }
 
 pub fn main(state: &State) -> Result<u8> {
@@ -213,7 +248,15 @@ pub fn main(state: &State) -> Result<u8> {
     println!();
     let ns_ok = !checks.iter().any(|c| c.status == Status::Missing);
     println!("tier ns      {}", if ns_ok { "available" } else { "NOT available (see MISSING above)" });
-    println!("tier gvisor  not available: no gvisor backend in this build");
+    let gvisor = checks.iter().find(|c| c.name == "runsc").is_some_and(|c| c.status == Status::Ok);
+    println!(
+        "tier gvisor  {}",
+        match (ns_ok, gvisor) {
+            (true, true) => "available",
+            (false, _) => "NOT available (see MISSING above: it needs the same cgroups and privileges)",
+            (true, false) => "NOT available (see runsc above)",
+        }
+    );
     println!("tier vm      not available: no vm backend in this build");
     Ok(if bad == 0 { 0 } else { 1 })
 }

@@ -174,6 +174,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let landlock = sandbox.landlock();
     let denials = sandbox.denials();
     let peak = sandbox.peak_memory();
+    let cpu_usec = sandbox.cpu_usage_usec();
     let teardown = sandbox.destroy();
     let duration = started.elapsed();
     tracing::debug!(elapsed = ?duration, "sandbox destroyed");
@@ -223,6 +224,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
             "reason": reason.name(),
             "duration_ms": duration.as_secs_f64() * 1000.0,
             "peak_memory_bytes": peak,
+            "cpu_time_ms": cpu_usec / 1000,
             "oom_killed": oom,
             "landlock": landlock,
             "denied_syscalls": denials,

@@ -1,15 +1,39 @@
 //! Attacks from inside a real sandbox: each test tries an escape or a peek at the host and
-//! checks both that it failed and that the host is untouched.
+//! checks both that it failed and that the host is untouched. Every test runs on each tier
+//! (`ns::*`, `gvisor::*`); where gVisor answers differently the expectation says so.
 
 mod common;
 
 use common::*;
+use std::io::BufRead;
 use std::net::TcpListener;
 use std::time::Duration;
 
-#[test]
-fn host_secrets_are_neither_readable_nor_findable() {
-    require_root!();
+per_tier!(
+    host_secrets_are_neither_readable_nor_findable,
+    nothing_of_the_host_is_mounted_and_no_host_env_leaks,
+    writes_to_root_vanish_after_the_run,
+    the_image_cannot_be_modified_from_inside,
+    no_network_to_the_internet_or_the_hosts_loopback,
+    sandbox_processes_run_as_unprivileged_host_uids,
+    concurrent_sandboxes_cannot_see_each_other,
+);
+
+/// Host processes in the cgroups of sandbox `id`, with their real uid and command line.
+fn sandbox_host_processes(id: &str) -> Vec<(u32, u32, String)> {
+    host_processes()
+        .into_iter()
+        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| c.contains(&format!("/cordon/{id}"))))
+        .filter_map(|p| {
+            let status = std::fs::read_to_string(format!("/proc/{p}/status")).ok()?;
+            let uid = status.lines().find(|l| l.starts_with("Uid:"))?.split_whitespace().nth(1)?.parse().ok()?;
+            let cmd = String::from_utf8_lossy(&std::fs::read(format!("/proc/{p}/cmdline")).ok()?).replace('\0', " ");
+            Some((p, uid, cmd))
+        })
+        .collect()
+}
+
+fn host_secrets_are_neither_readable_nor_findable(tier: Tier) {
     let t = token();
     let secret = format!("s3cret-{t}");
     let paths = [format!("/root/cordon-secret-{t}"), format!("/etc/cordon-secret-{t}"), format!("/home/cordon-secret-{t}")];
@@ -22,7 +46,7 @@ fn host_secrets_are_neither_readable_nor_findable() {
          grep -rs '{secret}' /etc /root /home /tmp /var 2>/dev/null; echo done",
         paths.join(" ")
     );
-    let r = sh(&["--user", "root"], &script);
+    let r = sh(&tier.flags(&["--user", "root"]), &script);
     for p in &paths {
         let _ = std::fs::remove_file(p);
     }
@@ -32,12 +56,11 @@ fn host_secrets_are_neither_readable_nor_findable() {
     assert_clean(r.id());
 }
 
-#[test]
-fn nothing_of_the_host_is_mounted_and_no_host_env_leaks() {
-    require_root!();
+fn nothing_of_the_host_is_mounted_and_no_host_env_leaks(tier: Tier) {
     let r = cordon()
         .env("CORDON_TEST_LEAK", "leaked-value")
-        .args(["run", "--user", "root", "--", "bash", "-c", "cat /proc/mounts; echo ===; env; echo ===; ls /sys | wc -l"])
+        .arg("run")
+        .args(tier.flags(&["--user", "root", "--", "bash", "-c", "cat /proc/mounts; echo ===; env; echo ===; ls /sys | wc -l"]))
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&r.stdout);
@@ -48,7 +71,17 @@ fn nothing_of_the_host_is_mounted_and_no_host_env_leaks() {
     let sys_entries = parts.next().unwrap();
     for line in mounts.lines() {
         let fstype = line.split_whitespace().nth(2).unwrap_or("");
-        let allowed = ["overlay", "proc", "tmpfs", "devpts", "devtmpfs"];
+        // Under gVisor the root and the read-only agent binary are served by its file proxy
+        // (9p); the host's overlay and the binary stay outside the sandbox's kernel.
+        let allowed: &[&str] = match tier {
+            Tier::Ns => &["overlay", "proc", "tmpfs", "devpts", "devtmpfs"],
+            Tier::Gvisor => &["9p", "proc", "tmpfs", "devpts"],
+        };
+        if fstype == "9p" {
+            let target = line.split_whitespace().nth(1).unwrap();
+            assert!(target == "/" || target == cordon_gvisor::bundle::AGENT_PATH, "unexpected 9p mount: {line}");
+            assert!(target == "/" || line.split_whitespace().nth(3).is_some_and(|o| o.split(',').any(|o| o == "ro")), "agent binary writable: {line}");
+        }
         assert!(allowed.contains(&fstype), "unexpected mount inside: {line}");
         if fstype == "devtmpfs" {
             // Host device nodes appear only as the harmless set in /dev, or as /dev/null masking
@@ -64,35 +97,30 @@ fn nothing_of_the_host_is_mounted_and_no_host_env_leaks() {
     assert_eq!(sys_entries.trim(), "0", "host /sys is visible");
 }
 
-#[test]
-fn writes_to_root_vanish_after_the_run() {
-    require_root!();
+fn writes_to_root_vanish_after_the_run(tier: Tier) {
     let t = token();
-    let r = sh(&["--user", "root"], &format!("echo x > /marker-{t} && echo x > /etc/marker-{t} && ls /marker-{t}"));
+    // `test -e` rather than ls: this runsc refuses the statx flags of coreutils' ls (EINVAL).
+    let r = sh(&tier.flags(&["--user", "root"]), &format!("echo x > /marker-{t} && echo x > /etc/marker-{t} && test -e /marker-{t}"));
     assert_eq!(r.code, 0, "{r:?}");
     let image = state_dir().join("images/base/rootfs");
     assert!(!image.join(format!("marker-{t}")).exists(), "the write reached the image");
-    let r2 = sh(&["--user", "root"], &format!("test ! -e /marker-{t} && test ! -e /etc/marker-{t}"));
+    let r2 = sh(&tier.flags(&["--user", "root"]), &format!("test ! -e /marker-{t} && test ! -e /etc/marker-{t}"));
     assert_eq!(r2.code, 0, "a write survived into the next sandbox: {r2:?}");
     assert_clean(r.id());
     assert_clean(r2.id());
 }
 
-#[test]
-fn the_image_cannot_be_modified_from_inside() {
-    require_root!();
+fn the_image_cannot_be_modified_from_inside(tier: Tier) {
     // Even root of the sandbox writes only to its own layer; the shared image stays as it was.
     let before = std::fs::read(state_dir().join("images/base/rootfs/etc/passwd")).unwrap();
-    let r = sh(&["--user", "root"], "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd && rm -rf /usr/bin/python3* && echo ok");
+    let r = sh(&tier.flags(&["--user", "root"]), "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd && rm -rf /usr/bin/python3* && echo ok");
     assert_eq!(r.code, 0, "{r:?}");
     let after = std::fs::read(state_dir().join("images/base/rootfs/etc/passwd")).unwrap();
     assert_eq!(before, after);
     assert!(state_dir().join("images/base/rootfs/usr/bin/python3").exists());
 }
 
-#[test]
-fn no_network_to_the_internet_or_the_hosts_loopback() {
-    require_root!();
+fn no_network_to_the_internet_or_the_hosts_loopback(tier: Tier) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -115,7 +143,7 @@ except OSError:
 print(open("/proc/net/dev").read())
 "#
     );
-    let r = run(&[], &["python3", "-c", &script]);
+    let r = run(&tier.flags(&[]), &["python3", "-c", &script]);
     assert_eq!(r.code, 0, "{r:?}");
     assert!(!r.stdout.contains("CONNECTED") && !r.stdout.contains("RESOLVED"), "{r:?}");
     assert_eq!(r.stdout.matches("blocked").count(), 4, "{r:?}");
@@ -125,9 +153,10 @@ print(open("/proc/net/dev").read())
     assert_clean(r.id());
 }
 
-#[test]
-fn sandbox_processes_run_as_unprivileged_host_uids() {
-    require_root!();
+fn sandbox_processes_run_as_unprivileged_host_uids(tier: Tier) {
+    if tier == Tier::Gvisor {
+        return sandbox_code_runs_as_nobody_under_gvisor();
+    }
     let marker = format!("{}.{}", 100 + (std::process::id() % 100), 7);
     let mut child = cordon()
         .args(["run", "--user", "root", "--", "bash", "-c", &format!("sleep {marker} & sleep {marker}; wait")])
@@ -146,9 +175,50 @@ fn sandbox_processes_run_as_unprivileged_host_uids() {
     }
 }
 
-#[test]
-fn concurrent_sandboxes_cannot_see_each_other() {
-    require_root!();
+/// Under gVisor, sandbox code (even sandbox root's) runs only inside gVisor's kernel, the
+/// `runsc-sandbox` process and its ptrace stubs, all host `nobody` in runsc's own user
+/// namespace; only runsc itself and its file proxy (the gofer) are host root.
+fn sandbox_code_runs_as_nobody_under_gvisor() {
+    ensure_base();
+    let mut child = cordon()
+        .args(["run", "--json", "--tier", "gvisor", "--user", "root", "--", "bash", "-c", "echo ready; sleep 30 & sleep 30; wait"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let runsc = host_processes()
+        .into_iter()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(") ").and_then(|(_, r)| r.split_whitespace().nth(1).map(str::to_string)))
+                .is_some_and(|ppid| ppid == child.id().to_string())
+        })
+        .expect("cordon run has a runsc child");
+    let cg = std::fs::read_to_string(format!("/proc/{runsc}/cgroup")).unwrap();
+    let id = cg.lines().find_map(|l| l.split("/cordon/").nth(1)).map(|s| s.trim().to_string()).unwrap();
+    let procs = sandbox_host_processes(&id);
+    let _ = child.kill();
+    let _ = child.wait();
+    let r = run(&Tier::Gvisor.flags(&[]), &["true"]); // reaps the killed run
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(procs.iter().any(|(_, _, c)| c.starts_with("runsc-sandbox")), "no sentry among {procs:?}");
+    assert!(procs.len() >= 4, "expected runsc, gofer, sentry and stubs: {procs:?}");
+    for (pid, uid, cmd) in &procs {
+        let trusted = cmd.starts_with("runsc-gofer") || *pid == runsc;
+        assert!(trusted || *uid == 65534, "process {pid} ({cmd}) of the sandbox runs as host uid {uid}");
+        assert!(!cmd.contains("sleep"), "sandbox code visible as a host process: {cmd}");
+    }
+    assert_clean(&id);
+}
+
+fn concurrent_sandboxes_cannot_see_each_other(tier: Tier) {
+    if tier == Tier::Gvisor {
+        return concurrent_gvisor_sandboxes_cannot_see_each_other();
+    }
     let t = token();
     let marker = format!("{}.{}", 200 + (std::process::id() % 100), 3);
     let mut a = cordon()
@@ -167,7 +237,7 @@ fn concurrent_sandboxes_cannot_see_each_other() {
     // The token reaches B only through its environment, so B's own command line (visible to
     // its ps) never contains the names searched for.
     let r = sh(
-        &["--user", "root", "--env", &format!("T={t}")],
+        &tier.flags(&["--user", "root", "--env", &format!("T={t}")]),
         &format!("ps -eo pid,args; echo ===; cat /proc/{a_pid}/cmdline 2>&1; find / -xdev -name \"mark-$T\" 2>/dev/null; kill -9 {a_pid} 2>&1; echo end"),
     );
     let a_alive = host_processes_with(&format!("sleep {marker}")).iter().any(|(p, _)| *p == a_pid);
@@ -180,4 +250,40 @@ fn concurrent_sandboxes_cannot_see_each_other() {
     // Distinct uid ranges: B's root is not A's user.
     let b_procs_uid_base = a_uid - 1000;
     assert_ne!(b_procs_uid_base, 0);
+}
+
+/// Under gVisor each sandbox has a kernel of its own: B sees none of A's processes or files, and
+/// cannot signal A even by A's host pids.
+fn concurrent_gvisor_sandboxes_cannot_see_each_other() {
+    ensure_base();
+    let t = token();
+    let mut a = cordon()
+        .args(["run", "--tier", "gvisor", "--", "bash", "-c", &format!("echo {t} > /tmp/mark-{t}; echo {t} > /home/user/mark-{t}; echo ready; exec sleep 77.{}", std::process::id() % 100)])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(a.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let a_host_pids: Vec<String> = host_processes()
+        .into_iter()
+        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|c| c.contains("runsc")))
+        .map(|p| p.to_string())
+        .collect();
+    let r = sh(
+        &Tier::Gvisor.flags(&["--user", "root", "--env", &format!("T={t}")]),
+        &format!(
+            "ps -eo pid,args; echo ===; find / -xdev -name \"mark-$T\" 2>/dev/null; for p in {}; do kill -9 $p 2>/dev/null; done; echo end",
+            a_host_pids.join(" ")
+        ),
+    );
+    let a_alive = a.try_wait().unwrap().is_none();
+    let _ = a.kill();
+    let _ = a.wait();
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(!r.stdout.contains("sleep 77"), "B sees A's process: {r:?}");
+    assert!(!r.stdout.contains(&format!("mark-{t}")), "B sees A's files: {r:?}");
+    assert!(a_alive, "B could kill A");
+    // Reap the killed A.
+    assert_eq!(run(&Tier::Gvisor.flags(&[]), &["true"]).code, 0);
 }

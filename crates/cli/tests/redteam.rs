@@ -1,10 +1,27 @@
 //! The red-team suite: escape attempts from inside real sandboxes, as root of the sandbox and as
-//! its user, each checked to have failed the way the policy says, with the host untouched.
+//! its user, each checked to have failed the way the policy says, with the host untouched. The
+//! attacks that do not depend on how a tier is built run on each tier (`ns::*`, `gvisor::*`);
+//! the host checks are the same for both, and where gVisor's own kernel answers a call the `ns`
+//! filter denies, the expectation says so ([`GVISOR_KERNEL_HANDLES`]).
 
 mod common;
 
 use common::*;
 use serde_json::Value;
+
+per_tier!(
+    root_inside_cannot_reach_the_kernel_surface_the_policy_denies,
+    the_unprivileged_user_is_held_by_the_same_policy,
+    sudo_still_works_under_the_filters,
+    kill_everything_as_sandbox_root_only_kills_the_sandbox,
+    ordinary_work_still_runs_under_every_control,
+);
+
+/// Calls the ns filter denies that gVisor implements inside its own kernel: they succeed in the
+/// sandbox and act only on gVisor's state (its namespaces, its netstack, its log), never on the
+/// host's kernel. Every other denied call must fail under gVisor too.
+const GVISOR_KERNEL_HANDLES: &[&str] =
+    &["io_uring_setup", "unshare_user", "unshare_mount", "unshare_net", "ptrace_traceme", "syslog", "inet_raw", "inet6_raw", "af_packet", "af_netlink_uevent"];
 
 const PROBE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/probes/attacks.py");
 
@@ -28,9 +45,9 @@ const DENIED: &[&str] = &[
     "modify_ldt", "tiocsti", "tioclinux", "inet_raw", "inet6_raw",
 ];
 
-fn probe(flags: &[&str]) -> (Value, Value) {
+fn probe(t: Tier, flags: &[&str]) -> (Value, Value) {
     let copy = format!("{PROBE}:/tmp/attacks.py");
-    let mut all = vec!["--copy", &copy];
+    let mut all = t.flags(&["--copy", &copy]);
     all.extend_from_slice(flags);
     let r = run(&all, &["python3", "/tmp/attacks.py"]);
     assert_eq!(r.code, 0, "probe failed: {r:?}");
@@ -63,13 +80,14 @@ fn file_hash(path: &str) -> u64 {
     h.finish()
 }
 
-#[test]
-fn root_inside_cannot_reach_the_kernel_surface_the_policy_denies() {
-    require_root!();
+fn root_inside_cannot_reach_the_kernel_surface_the_policy_denies(t: Tier) {
     let host_name = hostname();
     let exe_hash = file_hash(env!("CARGO_BIN_EXE_cordon"));
     let before = std::time::SystemTime::now();
-    let (res, chroot) = probe(&["--user", "root"]);
+    let (res, chroot) = probe(t, &["--user", "root"]);
+    if t == Tier::Gvisor {
+        return gvisor_kernel_answers(&res, &chroot, &host_name, exe_hash, before);
+    }
 
     for name in DENIED {
         assert_eq!(errno(&res, name), EPERM, "{name} was not denied with EPERM: {res}");
@@ -109,17 +127,57 @@ fn root_inside_cannot_reach_the_kernel_surface_the_policy_denies() {
 
     // And the host did not notice any of it.
     assert_eq!(hostname(), host_name, "host hostname changed");
+    host_untouched(&host_name, exe_hash, before);
+}
+
+fn host_untouched(host_name: &str, exe_hash: u64, before: std::time::SystemTime) {
+    assert_eq!(hostname(), host_name, "host hostname changed");
     assert_eq!(file_hash(env!("CARGO_BIN_EXE_cordon")), exe_hash, "the cordon binary changed");
     let now = std::time::SystemTime::now();
     assert!(now >= before && now.duration_since(before).unwrap().as_secs() < 120, "host clock moved");
 }
 
-#[test]
-fn the_unprivileged_user_is_held_by_the_same_policy() {
-    require_root!();
-    let (res, _) = probe(&[]);
+/// The same attacks under gVisor: what its kernel implements succeeds inside (see
+/// [`GVISOR_KERNEL_HANDLES`]); everything else fails, most of it as ENOSYS or EPERM from gVisor's
+/// kernel; and the host is untouched exactly as under the ns tier.
+fn gvisor_kernel_answers(res: &Value, chroot: &Value, host_name: &str, exe_hash: u64, before: std::time::SystemTime) {
+    for name in DENIED {
+        if !GVISOR_KERNEL_HANDLES.contains(name) {
+            assert_ne!(errno(res, name), 0, "{name} succeeded under gVisor: {res}");
+        }
+    }
+    // Module loading, kexec, reboot, clock and swap: none exists in gVisor's kernel for root.
+    for name in ["kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "settimeofday", "clock_settime", "swapon", "acct", "iopl", "ioperm"] {
+        assert!([EPERM, ENOSYS].contains(&errno(res, name)), "{name}: {res}");
+    }
+    assert_eq!(errno(res, "clone3"), ENOSYS, "clone3 must answer ENOSYS so libc falls back to clone");
+    for fam in ["af_key", "af_alg", "af_vsock"] {
+        assert_eq!(errno(res, fam), EAFNOSUPPORT, "{fam}: {res}");
+    }
+    for ok in ["af_netlink_route", "inet_tcp", "unix"] {
+        assert_eq!(errno(res, ok), 0, "{ok} should work: {res}");
+    }
+    // gVisor's /proc refuses host-wide knobs and has no kcore, keys or timer list at all.
+    assert_ne!(errno(res, "write_proc_sys_hostname"), 0);
+    assert_ne!(errno(res, "write_core_pattern"), 0);
+    for f in ["read_kcore", "read_keys", "read_timer_list"] {
+        assert!(errno(res, f) <= 0, "{f}: {res}");
+    }
+    assert_eq!(errno(res, "overwrite_agent_exe"), EACCES, "{res}");
+    assert!(errno(res, "read_block_device") < 0, "{res}");
+    let root: Vec<&str> = chroot["chroot_escape_root"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert!(root.contains(&"usr") && !root.contains(&"work"), "chroot escape reached {root:?}");
+    host_untouched(host_name, exe_hash, before);
+}
+
+fn the_unprivileged_user_is_held_by_the_same_policy(t: Tier) {
+    let (res, _) = probe(t, &[]);
     for name in ["io_uring_setup", "keyctl", "add_key", "unshare_user", "clone_newuser", "name_to_handle_at", "ptrace_traceme", "adjtimex", "personality_read_implies_exec"] {
-        assert_eq!(errno(&res, name), EPERM, "{name} as user: {res}");
+        match t {
+            Tier::Ns => assert_eq!(errno(&res, name), EPERM, "{name} as user: {res}"),
+            Tier::Gvisor if GVISOR_KERNEL_HANDLES.contains(&name) => {}
+            Tier::Gvisor => assert_ne!(errno(&res, name), 0, "{name} as user: {res}"),
+        }
     }
     assert_eq!(errno(&res, "af_alg"), EAFNOSUPPORT);
 }
@@ -127,7 +185,7 @@ fn the_unprivileged_user_is_held_by_the_same_policy() {
 #[test]
 fn ptrace_is_opt_in() {
     require_root!();
-    let (res, _) = probe(&["--allow-ptrace"]);
+    let (res, _) = probe(Tier::Ns, &["--allow-ptrace"]);
     assert_eq!(errno(&res, "ptrace_traceme"), 0, "{res}");
     assert_eq!(errno(&res, "process_vm_readv"), 0, "{res}");
     // Everything else stays denied.
@@ -148,10 +206,17 @@ fn landlock_is_enforced_and_reported() {
     assert_eq!(r.record["landlock"], "full", "{r:?}");
 }
 
-#[test]
-fn sudo_still_works_under_the_filters() {
-    require_root!();
-    let r = sh(&[], "sudo -n id -u && sudo -n sh -c 'echo ok > /root/x && cat /root/x'");
+fn sudo_still_works_under_the_filters(t: Tier) {
+    let r = sh(&t.flags(&[]), "sudo -n id -u && sudo -n sh -c 'echo ok > /root/x && cat /root/x'");
+    if t == Tier::Gvisor {
+        // runsc sets no_new_privs on every process, so sudo cannot become root: the sandbox's
+        // root is reached with --user root instead.
+        assert_ne!(r.code, 0, "{r:?}");
+        assert!(r.stderr.contains("no new privileges"), "{r:?}");
+        let r = sh(&t.flags(&["--user", "root"]), "id -u && echo ok > /root/x && cat /root/x");
+        assert_eq!(r.stdout, "0\nok\n", "{r:?}");
+        return;
+    }
     assert_eq!(r.code, 0, "{r:?}");
     assert_eq!(r.stdout, "0\nok\n");
     assert!(r.stderr.is_empty(), "sudo complained: {}", r.stderr);
@@ -182,12 +247,10 @@ impl HostMarkers {
     }
 }
 
-#[test]
-fn kill_everything_as_sandbox_root_only_kills_the_sandbox() {
-    require_root!();
+fn kill_everything_as_sandbox_root_only_kills_the_sandbox(t: Tier) {
     let m = HostMarkers::plant();
     let host_pid = m.process.id();
-    let r = sh(&["--user", "root"], &format!("sleep 30 & kill -9 {host_pid} 2>/dev/null; echo kill_host=$?; kill -9 -1; echo after=$?"));
+    let r = sh(&t.flags(&["--user", "root"]), &format!("sleep 30 & kill -9 {host_pid} 2>/dev/null; echo kill_host=$?; kill -9 -1; echo after=$?"));
     assert!(r.stdout.contains("kill_host=1"), "{r:?}");
     assert!(r.stdout.contains("after=0"), "kill -1 should succeed inside (on the sandbox's own processes): {r:?}");
     m.assert_intact();
@@ -246,9 +309,7 @@ fn cgroup_release_agent_and_host_paths_are_out_of_reach() {
     assert_clean(r.id());
 }
 
-#[test]
-fn ordinary_work_still_runs_under_every_control() {
-    require_root!();
+fn ordinary_work_still_runs_under_every_control(t: Tier) {
     let script = r#"
 set -e
 cd /tmp
@@ -270,7 +331,7 @@ ts = [threading.Thread(target=out.append, args=(i,)) for i in range(16)]
 python3 -m venv /tmp/venv && /tmp/venv/bin/python -c 'import sys; print(sys.prefix)'
 if command -v gcc >/dev/null; then echo 'int main(){return 7;}' > t.c && gcc t.c -o t && ./t; echo gcc=$?; else echo "gcc not in image: skipped"; fi
 "#;
-    let r = sh(&[], script);
+    let r = sh(&t.flags(&[]), script);
     assert_eq!(r.code, 0, "{r:?}");
     let want = ["hi from wheel", "1", "328350", "16", "/tmp/venv"];
     for (line, w) in r.stdout.lines().zip(want) {
@@ -327,6 +388,66 @@ fn the_probe_as_root_has_only_the_documented_capabilities() {
     let eff = u64::from_str_radix(p["cap_eff"].as_str().unwrap(), 16).unwrap();
     let documented: u64 = [0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 27, 29, 31].iter().map(|c| 1u64 << c).sum();
     assert_eq!(eff, documented, "root's capabilities differ from the documented set: {eff:x} vs {documented:x}");
+}
+
+/// A call the ns filter denies (io_uring_setup, EPERM there) is implemented by gVisor's own
+/// kernel: it succeeds inside, and while the sandbox holds the ring, no host process of the
+/// sandbox holds an io_uring: the host kernel never saw the call.
+#[test]
+fn gvisor_kernel_handles_io_uring_without_the_host() {
+    require_root!();
+    if let Some(why) = Tier::Gvisor.unavailable() {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    ensure_base();
+    let script = "import ctypes, sys, time\n\
+                  l = ctypes.CDLL(None, use_errno=True)\n\
+                  buf = ctypes.create_string_buffer(4096)\n\
+                  fd = l.syscall(425, 4, ctypes.addressof(buf))\n\
+                  print(fd, ctypes.get_errno(), flush=True)\n\
+                  sys.stdin.readline()\n";
+    let mut child = cordon()
+        .args(["run", "--json", "--tier", "gvisor", "--", "python3", "-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let fd: i64 = line.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(fd >= 0, "io_uring_setup failed inside gVisor: {line}");
+    // The ring is open inside now. Look at every host process of this sandbox's cgroup.
+    let runsc = host_processes()
+        .into_iter()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(") ").and_then(|(_, r)| r.split_whitespace().nth(1).map(str::to_string)))
+                .is_some_and(|ppid| ppid == child.id().to_string())
+        })
+        .expect("cordon run has a runsc child");
+    let cg = std::fs::read_to_string(format!("/proc/{runsc}/cgroup")).unwrap();
+    let id = cg.lines().find_map(|l| l.split("/cordon/").nth(1)).map(|s| s.trim().to_string()).unwrap();
+    let mut host_fds = 0;
+    for p in host_processes() {
+        if !std::fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| c.contains(&format!("/cordon/{id}"))) {
+            continue;
+        }
+        for fd in std::fs::read_dir(format!("/proc/{p}/fd")).into_iter().flatten().flatten() {
+            host_fds += 1;
+            let target = std::fs::read_link(fd.path()).unwrap_or_default();
+            assert!(!target.to_string_lossy().contains("io_uring"), "host process {p} holds an io_uring: {}", target.display());
+        }
+    }
+    assert!(host_fds > 0, "saw no host descriptors of the sandbox at all");
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(b"\n").unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success());
+    assert_clean(&id);
 }
 
 #[test]

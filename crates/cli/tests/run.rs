@@ -1,5 +1,6 @@
 //! `cordon run` as a user sees it: exit codes, streams, flags, teardown in every way a run can
-//! end, and clear errors for bad input.
+//! end, and clear errors for bad input. The tier-dependent tests run on each tier (`ns::*`,
+//! `gvisor::*`).
 
 mod common;
 
@@ -8,115 +9,137 @@ use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-#[test]
-fn prints_and_exits_with_the_command_status() {
-    require_root!();
-    let r = run(&[], &["python3", "-c", "print(6*7)"]);
+per_tier!(
+    prints_and_exits_with_the_command_status,
+    default_user_is_user_with_sudo_and_root_is_allowed,
+    env_and_workdir_flags,
+    stdin_passes_through,
+    output_streams_live,
+    copy_puts_files_in_before_start,
+    background_processes_do_not_outlive_the_run,
+    ctrl_c_tears_everything_down,
+    a_killed_cordon_is_reaped_by_the_next_one,
+);
+
+fn prints_and_exits_with_the_command_status(t: Tier) {
+    let r = run(&t.flags(&[]), &["python3", "-c", "print(6*7)"]);
     assert_eq!((r.code, r.stdout.as_str()), (0, "42\n"), "{r:?}");
     assert_eq!(r.reason(), "exit");
-    let r = sh(&[], "echo out; echo err >&2; exit 7");
+    let r = sh(&t.flags(&[]), "echo out; echo err >&2; exit 7");
     assert_eq!(r.code, 7);
     assert_eq!(r.stdout, "out\n");
     assert!(r.stderr.contains("err"));
     assert_clean(r.id());
 }
 
-#[test]
-fn default_user_is_user_with_sudo_and_root_is_allowed() {
-    require_root!();
-    let r = sh(&[], "id -un; id -u; pwd; echo $HOME; sudo -n id -u");
-    assert_eq!(r.stdout, "user\n1000\n/home/user\n/home/user\n0\n", "{r:?}");
-    let r = sh(&["--user", "root"], "id -u");
+fn default_user_is_user_with_sudo_and_root_is_allowed(t: Tier) {
+    let r = sh(&t.flags(&[]), "id -un; id -u; pwd; echo $HOME; sudo -n id -u");
+    match t {
+        Tier::Ns => assert_eq!(r.stdout, "user\n1000\n/home/user\n/home/user\n0\n", "{r:?}"),
+        // runsc sets no_new_privs on every process: setuid programs cannot raise privileges.
+        Tier::Gvisor => {
+            assert_eq!(r.stdout, "user\n1000\n/home/user\n/home/user\n", "{r:?}");
+            assert!(r.stderr.contains("no new privileges"), "{r:?}");
+        }
+    }
+    let r = sh(&t.flags(&["--user", "root"]), "id -u");
     assert_eq!(r.stdout, "0\n");
-    let r = sh(&["--user", "nobody-here"], "id -u");
+    let r = sh(&t.flags(&["--user", "nobody-here"]), "id -u");
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("no such user"), "{r:?}");
 }
 
-#[test]
-fn env_and_workdir_flags() {
-    require_root!();
-    let r = sh(&["--env", "FOO=bar baz", "-e", "N=1", "--workdir", "/tmp"], "echo \"$FOO/$N\"; pwd");
+fn env_and_workdir_flags(t: Tier) {
+    let r = sh(&t.flags(&["--env", "FOO=bar baz", "-e", "N=1", "--workdir", "/tmp"]), "echo \"$FOO/$N\"; pwd");
     assert_eq!(r.stdout, "bar baz/1\n/tmp\n", "{r:?}");
 }
 
-#[test]
-fn stdin_passes_through() {
-    require_root!();
-    let r = run_with_stdin(&[], &["python3", "-c", "import sys; d=sys.stdin.read(); print(len(d), d.upper())"], b"hello\nworld");
+fn stdin_passes_through(t: Tier) {
+    let r = run_with_stdin(&t.flags(&[]), &["python3", "-c", "import sys; d=sys.stdin.read(); print(len(d), d.upper())"], b"hello\nworld");
     assert_eq!(r.stdout, "11 HELLO\nWORLD\n", "{r:?}");
 }
 
-#[test]
-fn output_streams_live() {
-    require_root!();
+fn output_streams_live(t: Tier) {
     ensure_base();
     let mut child = cordon()
-        .args(["run", "--", "bash", "-c", "echo first; sleep 3; echo second"])
+        .arg("run")
+        .args(t.flags(&["--", "bash", "-c", "echo first; sleep 3; echo second"]))
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let t = Instant::now();
+    let start = Instant::now();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     assert_eq!(lines.next().unwrap().unwrap(), "first");
-    assert!(t.elapsed() < Duration::from_millis(2500), "first line arrived after {:?}", t.elapsed());
+    assert!(start.elapsed() < Duration::from_millis(2500), "first line arrived after {:?}", start.elapsed());
     assert_eq!(lines.next().unwrap().unwrap(), "second");
     assert!(child.wait().unwrap().success());
 }
 
-#[test]
-fn copy_puts_files_in_before_start() {
-    require_root!();
-    let t = token();
-    let dir = std::env::temp_dir().join(format!("cordon-copy-{t}"));
+fn copy_puts_files_in_before_start(t: Tier) {
+    let tok = token();
+    let dir = std::env::temp_dir().join(format!("cordon-copy-{tok}"));
     std::fs::create_dir_all(dir.join("sub")).unwrap();
     std::fs::write(dir.join("a.txt"), "alpha").unwrap();
     std::fs::write(dir.join("sub/b.txt"), "beta").unwrap();
     let file = dir.join("a.txt");
-    let r = sh(
-        &["--copy", &format!("{}:/home/user/one.txt", file.display()), "--copy", &format!("{}:/home/user/tree", dir.display())],
-        "cat one.txt; echo; cat tree/a.txt tree/sub/b.txt; echo; stat -c %U one.txt",
-    );
+    // This runsc (Debian's 2022 build) refuses statx with AT_NO_AUTOMOUNT (EINVAL), which
+    // coreutils' stat and ls -l use; find reads ownership with fstatat.
+    let owner = match t {
+        Tier::Ns => "stat -c %U one.txt",
+        Tier::Gvisor => "find one.txt -printf '%u\\n'",
+    };
+    let (one, tree) = (format!("{}:/home/user/one.txt", file.display()), format!("{}:/home/user/tree", dir.display()));
+    let r = sh(&t.flags(&["--copy", &one, "--copy", &tree]), &format!("cat one.txt; echo; cat tree/a.txt tree/sub/b.txt; echo; {owner}"));
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(r.stdout, "alpha\nalphabeta\nuser\n", "{r:?}");
 }
 
-#[test]
-fn background_processes_do_not_outlive_the_run() {
-    require_root!();
+fn background_processes_do_not_outlive_the_run(t: Tier) {
     let marker = format!("{}.{}", 300 + (std::process::id() % 100), 9);
-    let r = sh(&[], &format!("(sleep {marker} &) ; nohup sleep {marker} >/dev/null 2>&1 & echo started"));
+    let r = sh(&t.flags(&[]), &format!("(sleep {marker} &) ; nohup sleep {marker} >/dev/null 2>&1 & echo started"));
     assert_eq!(r.code, 0, "{r:?}");
     assert!(host_processes_with(&format!("sleep {marker}")).is_empty(), "background process survived");
     assert_clean(r.id());
 }
 
-#[test]
-fn ctrl_c_tears_everything_down() {
-    require_root!();
+fn ctrl_c_tears_everything_down(t: Tier) {
     ensure_base();
     let marker = format!("{}.{}", 400 + (std::process::id() % 100), 1);
-    let child = cordon()
-        .args(["run", "--json", "--", "bash", "-c", &format!("sleep {marker} & sleep {marker}")])
+    let script = format!("sleep {marker} & echo ready; sleep {marker}");
+    let mut child = cordon()
+        .args(["run", "--json"])
+        .args(t.flags(&["--", "bash", "-c", &script]))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    assert!(wait_until(Duration::from_secs(20), || host_processes_with(&format!("sleep {marker}")).len() >= 2));
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    match t {
+        Tier::Ns => assert!(wait_until(Duration::from_secs(20), || host_processes_with(&format!("sleep {marker}")).len() >= 2)),
+        // gVisor's processes are not host processes: the sandbox says when its sleeps run.
+        Tier::Gvisor => {
+            let mut line = String::new();
+            stdout.read_line(&mut line).unwrap();
+            assert_eq!(line, "ready\n");
+        }
+    }
     // SAFETY: signalling our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let out = child.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(130));
-    let rec: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim().lines().last().unwrap()).unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let rec: serde_json::Value = serde_json::from_str(rest.trim().lines().last().unwrap()).unwrap();
     assert_eq!(rec["reason"], "interrupted");
     assert!(host_processes_with(&format!("sleep {marker}")).is_empty());
     assert_clean(rec["sandbox_id"].as_str().unwrap());
 }
 
-#[test]
-fn a_killed_cordon_is_reaped_by_the_next_one() {
-    require_root!();
+fn a_killed_cordon_is_reaped_by_the_next_one(t: Tier) {
     ensure_base();
+    if t == Tier::Gvisor {
+        return a_killed_cordon_is_reaped_by_the_next_one_gvisor();
+    }
     let marker = format!("{}.{}", 500 + (std::process::id() % 100), 5);
     let mut child = cordon()
         .args(["run", "--", "bash", "-c", &format!("sleep {marker}")])
@@ -150,6 +173,39 @@ fn a_killed_cordon_is_reaped_by_the_next_one() {
     assert_clean(&id);
 }
 
+/// The same under gVisor, whose processes are not host processes: the sandbox is found by the
+/// cgroup of the runsc the killed cordon started, and its state must outlive the kill.
+fn a_killed_cordon_is_reaped_by_the_next_one_gvisor() {
+    let t = Tier::Gvisor;
+    let mut child = cordon()
+        .arg("run")
+        .args(t.flags(&["--", "bash", "-c", "echo ready; sleep 300"]))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    let runsc = host_processes()
+        .into_iter()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(") ").and_then(|(_, r)| r.split_whitespace().nth(1).map(str::to_string)))
+                .is_some_and(|ppid| ppid == child.id().to_string())
+        })
+        .expect("cordon run has a runsc child");
+    let cg = std::fs::read_to_string(format!("/proc/{runsc}/cgroup")).unwrap();
+    let id = cg.lines().find_map(|l| l.split("/cordon/").nth(1)).map(|s| s.trim().to_string()).expect("runsc is in a cordon cgroup");
+    child.kill().unwrap(); // SIGKILL: no teardown code runs
+    child.wait().unwrap();
+    assert!(state_dir().join("gvisor/run").join(&id).exists(), "the killed run left no state to reap");
+    let r = run(&t.flags(&[]), &["true"]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_clean(&id);
+}
+
 #[test]
 fn bad_input_gets_one_line_and_exit_2() {
     require_root!();
@@ -157,7 +213,7 @@ fn bad_input_gets_one_line_and_exit_2() {
         &["run", "--image", "no-such-image", "--", "true"],
         &["run", "--memory", "12XB", "--", "true"],
         &["run"],
-        &["run", "--tier", "gvisor", "--", "true"],
+        &["run", "--tier", "vm", "--", "true"],
         &["run", "--tier", "warp", "--", "true"],
         &["run", "--cpus", "lots", "--", "true"],
         &["run", "--env", "NOEQUALS", "--", "true"],
@@ -175,6 +231,24 @@ fn bad_input_gets_one_line_and_exit_2() {
         assert!(err.starts_with("cordon: "), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn a_missing_runsc_is_one_clear_line_and_no_fallback() {
+    require_root!();
+    ensure_base();
+    let out = cordon()
+        .env("CORDON_RUNSC", "/nonexistent/runsc")
+        .args(["run", "--json", "--tier", "gvisor", "--", "true"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "not one line:\n{err}");
+    assert!(err.contains("CORDON_RUNSC=/nonexistent/runsc does not exist"), "{err}");
+    // Nothing ran: no sandbox record on stdout, in particular not one from the ns tier.
+    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
 }
 
 #[test]
@@ -231,11 +305,15 @@ fn import_a_rootfs_tarball_and_run_it() {
 fn doctor_reports_every_feature() {
     let out = cordon().arg("doctor").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    for item in ["user namespaces", "overlayfs", "cgroups", "seccomp", "landlock", "kvm", "runsc", "qemu", "tier ns"] {
+    for item in ["user namespaces", "overlayfs", "cgroups", "seccomp", "landlock", "kvm", "runsc", "qemu", "tier ns", "tier gvisor"] {
         assert!(text.contains(item), "doctor does not mention {item}:\n{text}");
     }
     if is_root() {
         assert!(out.status.success(), "doctor found something missing on a CI machine:\n{text}");
         assert!(text.contains("tier ns      available"), "{text}");
+        if Tier::Gvisor.unavailable().is_none() {
+            assert!(text.contains("tier gvisor  available"), "{text}");
+            assert!(text.contains("platform "), "doctor names no gvisor platform:\n{text}");
+        }
     }
 }

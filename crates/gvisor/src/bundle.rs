@@ -24,6 +24,9 @@ pub struct Bundle<'a> {
     pub agent_env: &'a [(String, String)],
     pub disk_bytes: u64,
     pub nofile: u64,
+    /// Most tasks per user inside the sandbox: gVisor enforces RLIMIT_NPROC in its own kernel,
+    /// where the host's pids cgroup sees only gVisor's own threads.
+    pub nproc: u64,
 }
 
 /// What the agent needs to start commands as other users, and nothing for the host: gVisor
@@ -73,13 +76,23 @@ impl Bundle<'_> {
             .env(env)
             .cwd(PathBuf::from("/"))
             .capabilities(capabilities)
+            // runsc sets no_new_privs on every sandbox process whatever the bundle says, so unlike
+            // the ns tier, setuid programs (sudo) cannot raise privileges here; say so.
             .no_new_privileges(true)
-            .rlimits(vec![PosixRlimitBuilder::default()
-                .typ(PosixRlimitType::RlimitNofile)
-                .hard(self.nofile)
-                .soft(self.nofile)
-                .build()
-                .map_err(err)?])
+            .rlimits(vec![
+                PosixRlimitBuilder::default()
+                    .typ(PosixRlimitType::RlimitNofile)
+                    .hard(self.nofile)
+                    .soft(self.nofile)
+                    .build()
+                    .map_err(err)?,
+                PosixRlimitBuilder::default()
+                    .typ(PosixRlimitType::RlimitNproc)
+                    .hard(self.nproc)
+                    .soft(self.nproc)
+                    .build()
+                    .map_err(err)?,
+            ])
             .build()
             .map_err(err)?;
         let disk = self.disk_bytes;
@@ -89,7 +102,9 @@ impl Bundle<'_> {
             mount("/dev", "tmpfs", "tmpfs", &["nosuid", "mode=755"])?,
             mount("/dev/pts", "devpts", "devpts", &["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"])?,
             mount("/dev/shm", "tmpfs", "shm", &["nosuid", "noexec", "nodev", "mode=1777", &format!("size={disk}")])?,
-            mount("/sys", "sysfs", "sysfs", &["nosuid", "noexec", "nodev", "ro"])?,
+            // runsc mounts its own sysfs where the bundle names none: an empty read-only /sys
+            // instead, as in the ns tier.
+            mount("/sys", "tmpfs", "cordon-sys", &["ro", "nosuid", "nodev", "noexec", "mode=555"])?,
             mount("/tmp", "tmpfs", "tmpfs", &["nosuid", "nodev", "mode=1777", &format!("size={disk}")])?,
             mount(AGENT_PATH, "bind", agent, &["bind", "ro", "nosuid", "nodev"])?,
         ];
@@ -134,6 +149,7 @@ mod tests {
             agent_env: &env,
             disk_bytes: 1 << 20,
             nofile: 4096,
+            nproc: 64,
         };
         let v = serde_json::to_value(b.spec().unwrap()).unwrap();
         assert_eq!(v["hostname"], "isbx");
@@ -142,6 +158,7 @@ mod tests {
         assert_eq!(v["process"]["env"][0], "CORDON_AGENT_LINK=stdio");
         assert_eq!(v["process"]["noNewPrivileges"], true);
         assert_eq!(v["process"]["rlimits"][0]["hard"], 4096);
+        assert_eq!(v["process"]["rlimits"][1]["type"], "RLIMIT_NPROC");
         let mounts = v["mounts"].as_array().unwrap();
         let agent = mounts.iter().find(|m| m["destination"] == AGENT_PATH).unwrap();
         assert!(agent["options"].as_array().unwrap().contains(&"ro".into()));

@@ -23,6 +23,79 @@ macro_rules! require_root {
     };
 }
 
+/// The tier a test body runs against; [`per_tier!`] makes one `#[test]` per tier of each body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Ns,
+    Gvisor,
+}
+
+impl Tier {
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Ns => "ns",
+            Tier::Gvisor => "gvisor",
+        }
+    }
+
+    /// `--tier <name>` followed by `flags`.
+    pub fn flags<'a>(self, flags: &[&'a str]) -> Vec<&'a str> {
+        let mut v = vec!["--tier", self.name()];
+        v.extend_from_slice(flags);
+        v
+    }
+
+    /// Why this host cannot run the tier, if it cannot (the test is then skipped with it).
+    pub fn unavailable(self) -> Option<String> {
+        match self {
+            Tier::Ns => None,
+            Tier::Gvisor => {
+                let named = std::env::var_os("CORDON_RUNSC").map(PathBuf::from);
+                let found = named.clone().filter(|p| p.is_file()).or_else(|| {
+                    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).map(|d| d.join("runsc")).find(|p| p.is_file())
+                });
+                found.is_none().then(|| "runsc is not installed (scripts/install-deps installs it)".to_string())
+            }
+        }
+    }
+}
+
+/// One `#[test]` per tier for each named `fn(Tier)` body: `ns::<name>` and `gvisor::<name>`.
+/// A gvisor test skips, saying why, when runsc is missing; all of them need root.
+#[macro_export]
+macro_rules! per_tier {
+    ($($name:ident),+ $(,)?) => {
+        mod ns {
+            $(
+                #[test]
+                fn $name() {
+                    if !super::common::is_root() {
+                        eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
+                        return;
+                    }
+                    super::$name(super::common::Tier::Ns)
+                }
+            )+
+        }
+        mod gvisor {
+            $(
+                #[test]
+                fn $name() {
+                    if !super::common::is_root() {
+                        eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
+                        return;
+                    }
+                    if let Some(why) = super::common::Tier::Gvisor.unavailable() {
+                        eprintln!("skipping: {why}");
+                        return;
+                    }
+                    super::$name(super::common::Tier::Gvisor)
+                }
+            )+
+        }
+    };
+}
+
 /// The state dir the tests use. Shared with the default so that the image built once by the
 /// quick start or a previous run is reused.
 pub fn state_dir() -> PathBuf {
@@ -122,8 +195,9 @@ pub fn assert_clean(id: &str) {
         let cg = entry.path().join("cordon").join(id);
         assert!(!cg.exists(), "cgroup {} remains", cg.display());
     }
-    let run_dir = state_dir().join("run").join(id);
-    assert!(!run_dir.exists(), "state {} remains", run_dir.display());
+    for run_dir in [state_dir().join("run").join(id), state_dir().join("gvisor/run").join(id)] {
+        assert!(!run_dir.exists(), "state {} remains", run_dir.display());
+    }
     // A zombie holds nothing but its pid; reaping it is its parent's job (the host's init, once
     // the cordon that owned the sandbox was killed), so only live processes count.
     let live = |pid: u32| {
