@@ -52,10 +52,16 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
 
     cordon_jail::become_subreaper();
     // Opening a tier reaps every sandbox of it a crashed cordon left behind: sandboxes are not
-    // adopted, since their tokens and deadlines died with the old process. The default tier is
-    // opened now (so the reaping happens at start); the others on their first create.
+    // adopted, since their tokens and deadlines died with the old process.
     let tiers = cordon_server::backend::Tiers::new(state.host(Some(a.envd_version.clone())));
     tiers.backend(cordon_spec::Tier::Ns).map_err(|e| usage(e.to_string()))?;
+    // The other tiers are opened now too where the host can run them, so that what a crashed
+    // server left of them is reaped at start; the ones it cannot run are refused per create.
+    for t in [cordon_spec::Tier::Gvisor] {
+        if let Err(e) = tiers.backend(t) {
+            tracing::info!(tier = %t, "tier not available: {e}");
+        }
+    }
     let backend = tiers;
     let sandboxes = cordon_server::Sandboxes::new(backend, a.max_sandboxes, a.envd_version);
     let app = Arc::new(cordon_server::App { api_key, sandboxes });

@@ -1,0 +1,51 @@
+"""The gvisor tier through the API: `tier: "gvisor"` in the create body (a cordon extension the
+SDK does not send itself), then the real SDK connects and works as with any other sandbox:
+commands, files, and a server inside reached through the port forwarding, all over the agent's
+one multiplexed link."""
+
+import os
+import platform
+import shutil
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from conftest import API_KEY, API_URL, BASE_URL
+
+pytestmark = pytest.mark.skipif(
+    not (os.environ.get("CORDON_RUNSC") or shutil.which("runsc")), reason="runsc is not installed (scripts/install-deps)"
+)
+
+
+def test_gvisor_sandbox_through_the_sdk():
+    r = httpx.post(
+        f"{API_URL}/sandboxes",
+        headers={"X-API-KEY": API_KEY},
+        json={"templateID": "base", "tier": "gvisor", "timeout": 120},
+        timeout=60,
+    )
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    sbx = Sandbox.connect(sid)
+    try:
+        out = sbx.commands.run("uname -r; hostname; id -u")
+        kernel, hostname, uid = out.stdout.split()
+        # gVisor's own kernel answers, not the host's.
+        assert kernel != platform.release(), out.stdout
+        assert (hostname, uid) == (sid, "1000")
+        sbx.files.write("/home/user/www/hello.txt", "from gvisor")
+        assert sbx.files.read("/home/user/www/hello.txt") == "from gvisor"
+        sbx.commands.run("cd /home/user/www && python3 -m http.server 8080", background=True)
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8080"}
+        for _ in range(100):
+            r = httpx.get(BASE_URL + "/hello.txt", headers=headers)
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200 and r.text == "from gvisor", r.text
+    finally:
+        sbx.kill()
+    r = httpx.get(f"{API_URL}/sandboxes/{sid}", headers={"X-API-KEY": API_KEY})
+    assert r.status_code == 404
