@@ -96,10 +96,10 @@ impl Gvisor {
     /// Finds runsc, opens (creating) `<state>/gvisor/run`, and reaps whatever a crashed cordon
     /// left there. `exe` is the cordon binary, bind-mounted into each sandbox as its agent.
     pub fn open(state_dir: &Path, exe: &Path) -> Result<Gvisor, GvisorError> {
-        let runsc = Runsc::locate()?;
         let dir = state_dir.join("gvisor");
         let run_dir = dir.join("run");
         fs::create_dir_all(&run_dir).map_err(io_err(format!("create {}", run_dir.display())))?;
+        let runsc = Runsc::locate_cached(&dir.join("runsc.json"))?;
         let platform = runsc::platform(&runsc, &dir.join("platform"))?;
         let layout = Layout::detect();
         let missing = layout.missing();

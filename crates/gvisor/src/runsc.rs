@@ -12,13 +12,20 @@ pub const ENV_RUNSC: &str = "CORDON_RUNSC";
 pub const ENV_PLATFORM: &str = "CORDON_RUNSC_PLATFORM";
 
 /// The runsc binary cordon drives.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Runsc {
     pub path: PathBuf,
     /// First line of `runsc --version`, e.g. `runsc version 0.0~20221219.0`.
     pub version: String,
     /// Platforms this build knows (`runsc help platforms`).
     pub platforms: Vec<String>,
+}
+
+/// What identifies one build of a binary on disk: path, size, modification time.
+fn identity(path: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some(format!("{}:{}:{}.{}", path.display(), m.size(), m.mtime(), m.mtime_nsec()))
 }
 
 fn on_path(name: &str) -> Option<PathBuf> {
@@ -29,6 +36,33 @@ fn on_path(name: &str) -> Option<PathBuf> {
 impl Runsc {
     /// Finds runsc (`CORDON_RUNSC`, else `PATH`) and asks it what it is.
     pub fn locate() -> Result<Runsc, GvisorError> {
+        let path = Self::find()?;
+        Self::ask(path)
+    }
+
+    /// As [`Runsc::locate`], but reuses what `cache` says about the same binary (same path, size
+    /// and modification time): asking runsc costs two Go program starts, ~80 ms on a busy host.
+    pub fn locate_cached(cache: &Path) -> Result<Runsc, GvisorError> {
+        let path = Self::find()?;
+        let key = identity(&path);
+        if let Some(hit) = std::fs::read(cache)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<(String, Runsc)>(&b).ok())
+            .filter(|(k, r)| Some(k) == key.as_ref() && r.path == path)
+        {
+            return Ok(hit.1);
+        }
+        let r = Self::ask(path)?;
+        if let Some(k) = key {
+            let tmp = cache.with_extension("tmp");
+            if std::fs::write(&tmp, serde_json::to_vec(&(k, &r)).unwrap_or_default()).is_ok() {
+                let _ = std::fs::rename(&tmp, cache);
+            }
+        }
+        Ok(r)
+    }
+
+    fn find() -> Result<PathBuf, GvisorError> {
         let path = match std::env::var_os(ENV_RUNSC).filter(|v| !v.is_empty()) {
             Some(p) => {
                 let p = PathBuf::from(p);
@@ -46,6 +80,10 @@ impl Runsc {
                 )
             })?,
         };
+        Ok(path)
+    }
+
+    fn ask(path: PathBuf) -> Result<Runsc, GvisorError> {
         let out = Command::new(&path)
             .arg("--version")
             .stdin(Stdio::null())
