@@ -174,3 +174,38 @@ pub fn platform(runsc: &Runsc, choice_file: &Path) -> Result<String, GvisorError
 pub fn record_platform(runsc: &Runsc, choice_file: &Path, platform: &str) -> std::io::Result<()> {
     std::fs::write(choice_file, format!("{}\t{platform}\n", runsc.version))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake(platforms: &[&str]) -> Runsc {
+        Runsc {
+            path: PathBuf::from("/usr/bin/runsc"),
+            version: "runsc version 0.0~test".into(),
+            platforms: platforms.iter().map(|p| p.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn a_recorded_probe_is_used_only_for_the_same_runsc() {
+        let dir = std::env::temp_dir().join(format!("cordon-runsc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let choice = dir.join("platform");
+        let rs = fake(&["kvm", "ptrace"]);
+        // Nothing recorded: the platform every build has.
+        assert_eq!(platform(&rs, &choice).unwrap(), "ptrace");
+        record_platform(&rs, &choice, "kvm").unwrap();
+        assert_eq!(platform(&rs, &choice).unwrap(), "kvm");
+        // Another runsc (an upgrade) must be probed again.
+        let newer = Runsc { version: "runsc version 0.0~newer".into(), ..fake(&["kvm", "ptrace", "systrap"]) };
+        assert_eq!(platform(&newer, &choice).unwrap(), "systrap");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn probing_a_platform_the_build_lacks_says_so() {
+        let err = fake(&["ptrace"]).probe("systrap", Path::new("/nonexistent"), Duration::from_millis(10)).unwrap_err();
+        assert!(err.contains("does not know the systrap platform"), "{err}");
+    }
+}
