@@ -49,3 +49,35 @@ def test_gvisor_sandbox_through_the_sdk():
         sbx.kill()
     r = httpx.get(f"{API_URL}/sandboxes/{sid}", headers={"X-API-KEY": API_KEY})
     assert r.status_code == 404
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def test_gvisor_sandboxes_of_a_crashed_server_are_reaped_at_restart():
+    import glob
+    import signal
+
+    from test_server import KEY, STATE, Server
+
+    srv = Server()
+    r = httpx.post(f"{srv.url}/sandboxes", headers={"X-API-KEY": KEY}, json={"tier": "gvisor", "timeout": 60}, timeout=60)
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    srv.stop(signal.SIGKILL)
+    # No teardown ran: the sandbox's state and cgroups are still there...
+    assert os.path.exists(f"{STATE}/gvisor/run/{sid}")
+    assert glob.glob(f"/sys/fs/cgroup/*/cordon/{sid}")
+    # ...until the next server starts and reaps them.
+    srv2 = Server()
+    try:
+        assert not os.path.exists(f"{STATE}/gvisor/run/{sid}")
+        assert not glob.glob(f"/sys/fs/cgroup/*/cordon/{sid}")
+        assert not [p for p in os.listdir("/proc") if p.isdigit() and sid in _cmdline(p)]
+    finally:
+        srv2.stop()
