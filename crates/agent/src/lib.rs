@@ -274,3 +274,18 @@ pub fn main() -> ! {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Link;
+
+    #[test]
+    fn link_names() {
+        assert_eq!("stdio".parse::<Link>().unwrap(), Link::Stdio);
+        assert_eq!("fd:5".parse::<Link>().unwrap(), Link::Fd(5));
+        assert_eq!("/dev/vport0p1".parse::<Link>().unwrap(), Link::Device("/dev/vport0p1".into()));
+        for bad in ["", "fd:", "fd:-1", "fd:x", "vport0p1"] {
+            assert!(bad.parse::<Link>().is_err(), "{bad:?} accepted");
+        }
+    }
+}
