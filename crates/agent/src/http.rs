@@ -1,4 +1,5 @@
-//! The HTTP/1.1 server on the agent socket and the routing of its paths.
+//! The HTTP/1.1 server on the agent socket (or on each stream of a link) and the routing of its
+//! paths.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -106,16 +107,34 @@ pub(crate) async fn run(listener: UnixListener, agent: Arc<Agent>) -> std::io::R
             }
             Err(e) => return Err(e),
         };
-        let agent = agent.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let agent = agent.clone();
-                async move { Ok::<_, Infallible>(route(agent, req).await) }
-            });
-            // Connection errors (a client hanging up mid-stream) only concern that connection.
-            let _ = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(stream), service).with_upgrades().await;
-        });
+        tokio::spawn(serve_connection(stream, agent.clone()));
     }
+}
+
+/// Serves every stream the host opens over `link` until the host closes it.
+pub(crate) async fn run_link<L>(link: L, agent: Arc<Agent>) -> std::io::Result<()>
+where
+    L: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut acceptor = cordon_channel::Acceptor::new(link);
+    while let Some(stream) = acceptor.accept().await {
+        // The handler runs on its own task so that `accept` keeps driving the link.
+        tokio::spawn(serve_connection(stream?, agent.clone()));
+    }
+    Ok(())
+}
+
+/// One HTTP/1.1 connection from the host, upgrades included.
+async fn serve_connection<S>(stream: S, agent: Arc<Agent>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = service_fn(move |req| {
+        let agent = agent.clone();
+        async move { Ok::<_, Infallible>(route(agent, req).await) }
+    });
+    // Connection errors (a client hanging up mid-stream) only concern that connection.
+    let _ = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(stream), service).with_upgrades().await;
 }
 
 fn is_transient(e: &std::io::Error) -> bool {

@@ -3,8 +3,11 @@
 //! `/health` — over a Unix socket that only the host can reach, and reaps every orphan of the
 //! sandbox as PID 1.
 //!
-//! The host starts it with `CORDON_AGENT_FD` (an inherited, listening `AF_UNIX` socket) and
-//! `CORDON_AGENT_CONFIG` (an [`AgentConfig`] as JSON), and treats everything it says as untrusted.
+//! The host starts it with `CORDON_AGENT_CONFIG` (an [`AgentConfig`] as JSON) and either
+//! `CORDON_AGENT_FD` (an inherited, listening `AF_UNIX` socket) or, where the sandbox has only one
+//! byte stream to the host, `CORDON_AGENT_LINK` (see [`Link`]): the host multiplexes its
+//! connections over that stream with `cordon-channel`. Either way the host treats everything the
+//! agent says as untrusted.
 
 use std::os::fd::{FromRawFd, RawFd};
 use std::path::PathBuf;
@@ -29,6 +32,8 @@ mod xattr;
 
 /// Environment variable naming the inherited listening socket.
 pub const ENV_FD: &str = "CORDON_AGENT_FD";
+/// Environment variable naming the link to serve on instead of a listening socket (see [`Link`]).
+pub const ENV_LINK: &str = "CORDON_AGENT_LINK";
 /// Environment variable holding the [`AgentConfig`] JSON.
 pub const ENV_CONFIG: &str = "CORDON_AGENT_CONFIG";
 
@@ -96,6 +101,88 @@ pub async fn serve(listener: tokio::net::UnixListener, config: AgentConfig) -> s
     http::run(listener, agent).await
 }
 
+/// Serves the envd protocol on every stream the host opens over `link` (see `cordon-channel`),
+/// until the host closes it. Same runtime requirements as [`serve`].
+pub async fn serve_link<L>(link: L, config: AgentConfig) -> std::io::Result<()>
+where
+    L: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    reaper::global().listen()?;
+    let agent = Arc::new(Agent {
+        config,
+        processes: Arc::new(process::Processes::default()),
+        watchers: watch::Watchers::default(),
+    });
+    http::run_link(link, agent).await
+}
+
+/// The one byte stream to the host, as `CORDON_AGENT_LINK` names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Link {
+    /// `stdio`: read from descriptor 0, write to descriptor 1 (a container init's pipes).
+    Stdio,
+    /// `fd:N`: one inherited bidirectional descriptor (a socket).
+    Fd(RawFd),
+    /// A path: a character device opened read-write (a virtio-serial port).
+    Device(PathBuf),
+}
+
+impl std::str::FromStr for Link {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Link, String> {
+        if s == "stdio" {
+            return Ok(Link::Stdio);
+        }
+        if let Some(n) = s.strip_prefix("fd:") {
+            return n.parse::<RawFd>().ok().filter(|n| *n >= 0).map(Link::Fd).ok_or_else(|| format!("{ENV_LINK}={s:?}: fd:N needs a descriptor number"));
+        }
+        if s.starts_with('/') {
+            return Ok(Link::Device(PathBuf::from(s)));
+        }
+        Err(format!("{ENV_LINK}={s:?}: use stdio, fd:N or a device path"))
+    }
+}
+
+/// Moves `fd` to a fresh close-on-exec descriptor, so that commands never inherit the link.
+fn take_fd(fd: RawFd) -> std::io::Result<std::os::fd::OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC with integer arguments; the result is a new descriptor we own.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
+    if new < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `new` was just created and nothing else refers to it.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(new) })
+}
+
+/// Opens the link. For `stdio`, descriptors 0 and 1 then point at /dev/null: the link lives on
+/// close-on-exec copies only.
+fn open_link(link: &Link) -> std::io::Result<cordon_channel::FdLink> {
+    match link {
+        Link::Stdio => {
+            let (r, w) = (take_fd(0)?, take_fd(1)?);
+            let null = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null")?;
+            for fd in [0, 1] {
+                // SAFETY: dup2 onto the standard descriptors, whose old files live on in `r`/`w`.
+                if unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), fd) } < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            cordon_channel::FdLink::new(r, w)
+        }
+        Link::Fd(fd) => {
+            let owned = take_fd(*fd)?;
+            // SAFETY: close the original number; the link lives on in `owned`.
+            unsafe { libc::close(*fd) };
+            cordon_channel::FdLink::duplex(owned)
+        }
+        Link::Device(path) => {
+            use std::os::unix::fs::OpenOptionsExt;
+            let f = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY).open(path)?;
+            cordon_channel::FdLink::duplex(f.into())
+        }
+    }
+}
+
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
 enum StartError {
@@ -108,6 +195,9 @@ enum StartError {
     /// The descriptor is not a listening Unix socket.
     #[error("descriptor {0} is not a Unix socket: {1}")]
     NotASocket(RawFd, std::io::Error),
+    /// The link variable is malformed.
+    #[error("{0}")]
+    BadLink(String),
     /// The configuration JSON is invalid.
     #[error("invalid {ENV_CONFIG}: {0}")]
     BadConfig(serde_json::Error),
@@ -135,24 +225,36 @@ fn check_socket(fd: RawFd) -> std::io::Result<()> {
 }
 
 fn start() -> Result<(), StartError> {
-    let fd_text = std::env::var(ENV_FD).map_err(|_| StartError::MissingEnv(ENV_FD))?;
     let config_text = std::env::var(ENV_CONFIG).map_err(|_| StartError::MissingEnv(ENV_CONFIG))?;
+    let link = std::env::var(ENV_LINK).ok();
+    let fd_text = std::env::var(ENV_FD).ok();
     // Children build their environment from scratch, but nothing should see these either.
     std::env::remove_var(ENV_FD);
+    std::env::remove_var(ENV_LINK);
     std::env::remove_var(ENV_CONFIG);
+    let config: AgentConfig = serde_json::from_str(&config_text).map_err(StartError::BadConfig)?;
+    // One thread: an idle sandbox should cost the host as little memory as possible.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+
+    if let Some(link) = link {
+        let link: Link = link.parse().map_err(StartError::BadLink)?;
+        runtime.block_on(async move {
+            let link = open_link(&link)?;
+            serve_link(link, config).await
+        })?;
+        return Ok(());
+    }
+
+    let fd_text = fd_text.ok_or(StartError::MissingEnv(ENV_FD))?;
     let fd: RawFd = fd_text.trim().parse().map_err(|_| StartError::BadFd(fd_text.clone()))?;
     if fd < 0 {
         return Err(StartError::BadFd(fd_text));
     }
-    let config: AgentConfig = serde_json::from_str(&config_text).map_err(StartError::BadConfig)?;
     check_socket(fd).map_err(|e| StartError::NotASocket(fd, e))?;
     // SAFETY: the host passes this descriptor for the agent alone; it was checked to be a socket
     // and nothing else in this process refers to it.
     let std_listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
     std_listener.set_nonblocking(true)?;
-
-    // One thread: an idle sandbox should cost the host as little memory as possible.
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let listener = tokio::net::UnixListener::from_std(std_listener)?;
         serve(listener, config).await

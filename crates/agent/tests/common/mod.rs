@@ -53,6 +53,16 @@ pub async fn start_agent() -> TestAgent {
 }
 
 pub async fn start_agent_with(tweak: impl FnOnce(&mut AgentConfig)) -> TestAgent {
+    start_agent_on(false, tweak).await
+}
+
+/// An agent that serves over a multiplexed link (a socketpair) instead of a listening socket,
+/// with the host's end of `cordon-channel` serving `socket`: what the gvisor and vm tiers do.
+pub async fn start_agent_linked() -> TestAgent {
+    start_agent_on(true, |_| {}).await
+}
+
+async fn start_agent_on(linked: bool, tweak: impl FnOnce(&mut AgentConfig)) -> TestAgent {
     let dir = unique_dir();
     let root = dir.join("root");
     std::fs::create_dir_all(root.join("etc")).unwrap();
@@ -89,11 +99,27 @@ pub async fn start_agent_with(tweak: impl FnOnce(&mut AgentConfig)) -> TestAgent
         envd_version: Some("0.6.13".into()),
     };
     tweak(&mut config);
-    tokio::spawn(async move {
-        if let Err(e) = serve(listener, config).await {
-            panic!("agent stopped: {e}");
-        }
-    });
+    if linked {
+        let (host, agent) = std::os::unix::net::UnixStream::pair().unwrap();
+        let agent = cordon_channel::FdLink::duplex(agent.into()).unwrap();
+        let host = cordon_channel::FdLink::duplex(host.into()).unwrap();
+        tokio::spawn(async move {
+            if let Err(e) = cordon_agent::serve_link(agent, config).await {
+                panic!("agent stopped: {e}");
+            }
+        });
+        tokio::spawn(async move {
+            if let Err(e) = cordon_channel::serve_unix(host, listener).await {
+                panic!("host end of the link stopped: {e}");
+            }
+        });
+    } else {
+        tokio::spawn(async move {
+            if let Err(e) = serve(listener, config).await {
+                panic!("agent stopped: {e}");
+            }
+        });
+    }
     let client = EnvdClient::new(socket.clone());
     TestAgent { dir, socket, client, home, nobody_home }
 }
