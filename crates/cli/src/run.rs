@@ -133,7 +133,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let spec = spec_from(&a)?;
     let copies = a.copy.iter().map(|c| parse_copy(c)).collect::<Result<Vec<_>>>()?;
     match spec.tier {
-        Tier::Ns => {}
+        Tier::Ns | Tier::Vm => {}
         t => {
             return Err(usage(format!(
                 "tier '{t}' cannot run on this host: this build of cordon has no {t} backend yet; use --tier ns (see `cordon doctor`)"
@@ -142,8 +142,13 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        return Err(usage("the ns tier needs root (it creates cgroups and idmapped mounts): run cordon as root"));
+        return Err(usage(format!("the {} tier needs root (it creates cgroups and mounts): run cordon as root", spec.tier)));
     }
+    // A tier the host cannot run is refused before any image is built; never a fallback.
+    let vm_tier = match spec.tier {
+        Tier::Vm => Some(state.vm().map_err(|e| usage(e.to_string()))?),
+        _ => None,
+    };
 
     let store = state.images()?;
     let image = match store.get(&spec.image) {
@@ -171,23 +176,41 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
         envd_version: None,
     };
     let started = Instant::now();
-    let mut sandbox = jail
-        .create(&cordon_jail::SandboxConfig {
-            id: id.clone(),
-            rootfs: image.rootfs.clone(),
-            limits: spec.limits.clone(),
-            agent_env: vec![("CORDON_AGENT_CONFIG".into(), serde_json::to_string(&agent_cfg)?)],
-            allow_ptrace: spec.allow_ptrace,
-            audit: true,
-        })
-        .context("create sandbox")?;
+    let mut sandbox = match &vm_tier {
+        Some(tier) => {
+            let prep = crate::vm::prepare(tier, &image)?;
+            let cfg = cordon_vm::VmConfig { id: id.clone(), limits: spec.limits.clone(), agent: agent_cfg };
+            let started = Instant::now();
+            let vm = tier.create(&cfg, &prep).map_err(|e| match e {
+                cordon_vm::VmError::BadRequest(m) => usage(m),
+                e => anyhow::anyhow!("create sandbox: {e}"),
+            })?;
+            tracing::debug!(elapsed = ?started.elapsed(), accel = vm.accel().as_str(), "VM booted");
+            Live::Vm(vm)
+        }
+        None => Live::Jail(
+            jail.create(&cordon_jail::SandboxConfig {
+                id: id.clone(),
+                rootfs: image.rootfs.clone(),
+                limits: spec.limits.clone(),
+                agent_env: vec![("CORDON_AGENT_CONFIG".into(), serde_json::to_string(&agent_cfg)?)],
+                allow_ptrace: spec.allow_ptrace,
+                audit: true,
+            })
+            .context("create sandbox")?,
+        ),
+    };
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let outcome = rt.block_on(drive(&sandbox, &spec, &a.command, &copies));
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
-    let oom = sandbox.oom_kills() > 0;
-    let landlock = sandbox.landlock().to_string();
+    // Asking a VM's guest costs a round trip through its agent: only when the command was killed.
+    let oom = match (&sandbox, &outcome) {
+        (Live::Vm(_), Ok(Ended::Signaled(9) | Ended::Died)) | (Live::Jail(_), _) => sandbox.oom_kills() > 0,
+        _ => false,
+    };
+    let landlock = sandbox.landlock();
     let denials = sandbox.denials();
     let peak = sandbox.peak_memory();
     let teardown = sandbox.destroy();
@@ -261,7 +284,64 @@ enum Ended {
     Died,
 }
 
-async fn drive(sandbox: &cordon_jail::Sandbox, spec: &SandboxSpec, cmd: &[String], copies: &[Copy]) -> Result<Ended> {
+/// The sandbox of one run, whichever tier made it.
+enum Live {
+    Jail(cordon_jail::Sandbox),
+    Vm(cordon_vm::Vm),
+}
+
+impl Live {
+    fn socket_path(&self) -> &Path {
+        match self {
+            Live::Jail(s) => s.socket_path(),
+            Live::Vm(v) => v.socket_path(),
+        }
+    }
+    fn pidfd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        match self {
+            Live::Jail(s) => s.pidfd(),
+            Live::Vm(v) => v.pidfd(),
+        }
+    }
+    fn kill(&self) {
+        match self {
+            Live::Jail(s) => s.kill(),
+            Live::Vm(v) => v.kill(),
+        }
+    }
+    fn oom_kills(&self) -> u64 {
+        match self {
+            Live::Jail(s) => s.oom_kills(),
+            Live::Vm(v) => v.oom_kills(),
+        }
+    }
+    fn landlock(&self) -> String {
+        match self {
+            Live::Jail(s) => s.landlock().to_string(),
+            Live::Vm(_) => "none".into(),
+        }
+    }
+    fn denials(&self) -> Vec<cordon_jail::audit::Denial> {
+        match self {
+            Live::Jail(s) => s.denials(),
+            Live::Vm(_) => Vec::new(),
+        }
+    }
+    fn peak_memory(&self) -> u64 {
+        match self {
+            Live::Jail(s) => s.peak_memory(),
+            Live::Vm(v) => v.peak_memory(),
+        }
+    }
+    fn destroy(&mut self) -> Result<()> {
+        match self {
+            Live::Jail(s) => Ok(s.destroy()?),
+            Live::Vm(v) => Ok(v.destroy()?),
+        }
+    }
+}
+
+async fn drive(sandbox: &Live, spec: &SandboxSpec, cmd: &[String], copies: &[Copy]) -> Result<Ended> {
     use tokio::signal::unix::{signal, SignalKind};
     let deadline = tokio::time::sleep(spec.limits.timeout);
     tokio::pin!(deadline);

@@ -44,4 +44,10 @@ impl State {
         let exe = PathBuf::from("/proc/self/exe");
         Ok(cordon_jail::Jail::open(&self.dir, exe)?)
     }
+
+    /// The vm tier; fails with the reason when the host cannot run it (no QEMU, no cgroups).
+    pub fn vm(&self) -> Result<cordon_vm::VmTier, cordon_vm::VmError> {
+        self.ensure().map_err(|e| cordon_vm::VmError::Unsupported(e.to_string()))?;
+        cordon_vm::VmTier::open(&self.dir, PathBuf::from("/proc/self/exe"))
+    }
 }
