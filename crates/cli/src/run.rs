@@ -5,6 +5,7 @@ use crate::usage;
 use anyhow::{Context, Result};
 use clap::Args;
 use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, SandboxSpec, Tier};
+use cordon_server::backend::{BackendError, CreateSpec, Instance};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -132,84 +133,51 @@ fn parse_copy(s: &str) -> Result<Copy> {
 pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let spec = spec_from(&a)?;
     let copies = a.copy.iter().map(|c| parse_copy(c)).collect::<Result<Vec<_>>>()?;
-    match spec.tier {
-        Tier::Ns | Tier::Vm => {}
-        t => {
-            return Err(usage(format!(
-                "tier '{t}' cannot run on this host: this build of cordon has no {t} backend yet; use --tier ns (see `cordon doctor`)"
-            )))
-        }
-    }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        return Err(usage(format!("the {} tier needs root (it creates cgroups and mounts): run cordon as root", spec.tier)));
+        return Err(usage(format!(
+            "the {} tier needs root (it creates cgroups and mounts): run cordon as root",
+            spec.tier
+        )));
     }
-    // A tier the host cannot run is refused before any image is built; never a fallback.
-    let vm_tier = match spec.tier {
-        Tier::Vm => Some(state.vm().map_err(|e| usage(e.to_string()))?),
-        _ => None,
-    };
+    cordon_jail::become_subreaper();
+    // A tier the host cannot run is refused here, before any image is built; never a fallback.
+    let backend = state.backend(spec.tier)?;
 
     let store = state.images()?;
-    let image = match store.get(&spec.image) {
-        Ok(img) => img,
+    match store.get(&spec.image) {
+        Ok(_) => {}
         Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&spec.image.as_str()) => {
-            crate::image_cmd::build(&store, &spec.image, &Default::default())?
+            crate::image_cmd::build(&store, &spec.image, &Default::default())?;
         }
         Err(e) => return Err(crate::image_cmd::image_error(e)),
     };
-
-    cordon_jail::become_subreaper();
-    let jail = state.jail()?;
-    let id = cordon_jail::new_id();
-    let mut env = image.meta.env.clone();
-    for (k, v) in &spec.env {
-        env.retain(|(ek, _)| ek != k);
-        env.push((k.clone(), v.clone()));
+    if spec.tier == Tier::Vm {
+        // The first VM builds the guest kit and the image's disk: shown as image builds are.
+        crate::vm::prepare(state, &store, &spec.image)?;
     }
-    let agent_cfg = cordon_agent::AgentConfig {
-        sandbox_id: id.clone(),
-        default_user: spec.user.clone(),
-        workdir: spec.workdir.clone(),
-        env,
-        root: PathBuf::from("/"),
-        envd_version: None,
-    };
+
+    let id = cordon_jail::new_id();
+    let mut create = CreateSpec::new(id.clone(), spec.tier, spec.image.clone(), spec.limits.clone());
+    create.env_vars = spec.env.clone();
+    create.default_user = spec.user.clone();
+    create.workdir = spec.workdir.clone();
+    create.allow_ptrace = spec.allow_ptrace;
+    create.audit = true;
     let started = Instant::now();
-    let mut sandbox = match &vm_tier {
-        Some(tier) => {
-            let prep = crate::vm::prepare(tier, &image)?;
-            let cfg = cordon_vm::VmConfig { id: id.clone(), limits: spec.limits.clone(), agent: agent_cfg };
-            let started = Instant::now();
-            let vm = tier.create(&cfg, &prep).map_err(|e| match e {
-                cordon_vm::VmError::BadRequest(m) => usage(m),
-                e => anyhow::anyhow!("create sandbox: {e}"),
-            })?;
-            tracing::debug!(elapsed = ?started.elapsed(), accel = vm.accel().as_str(), "VM booted");
-            Live::Vm(vm)
-        }
-        None => Live::Jail(
-            jail.create(&cordon_jail::SandboxConfig {
-                id: id.clone(),
-                rootfs: image.rootfs.clone(),
-                limits: spec.limits.clone(),
-                agent_env: vec![("CORDON_AGENT_CONFIG".into(), serde_json::to_string(&agent_cfg)?)],
-                allow_ptrace: spec.allow_ptrace,
-                audit: true,
-            })
-            .context("create sandbox")?,
-        ),
-    };
+    let mut sandbox = backend.create(&create).map_err(|e| match e {
+        BackendError::Unavailable(m) | BackendError::BadRequest(m) | BackendError::UnknownTemplate(m) => usage(m),
+        BackendError::Failed(m) => anyhow::anyhow!("create sandbox: {m}"),
+    })?;
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let outcome = rt.block_on(drive(&sandbox, &spec, &a.command, &copies));
+    let outcome = rt.block_on(drive(sandbox.as_ref(), &spec, &a.command, &copies));
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
-    // Asking a VM's guest costs a round trip through its agent: only when the command was killed.
-    let oom = match (&sandbox, &outcome) {
-        (Live::Vm(_), Ok(Ended::Signaled(9) | Ended::Died)) | (Live::Jail(_), _) => sandbox.oom_kills() > 0,
-        _ => false,
-    };
+    // A VM's count comes from its guest, a round trip through the agent: asked only when the
+    // command was killed.
+    let killed = matches!(outcome, Ok(Ended::Signaled(9) | Ended::Died));
+    let oom = (killed || spec.tier != Tier::Vm) && sandbox.oom_kills() > 0;
     let landlock = sandbox.landlock();
     let denials = sandbox.denials();
     let peak = sandbox.peak_memory();
@@ -226,7 +194,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
         Ok(Ended::Died) if oom => (137, Reason::Oom),
         Ok(Ended::Died) => (137, Reason::SandboxDied),
         Err(e) => {
-            teardown?;
+            teardown.map_err(|t| anyhow::anyhow!("teardown: {t}"))?;
             return Err(e);
         }
     };
@@ -284,73 +252,15 @@ enum Ended {
     Died,
 }
 
-/// The sandbox of one run, whichever tier made it.
-enum Live {
-    Jail(cordon_jail::Sandbox),
-    Vm(cordon_vm::Vm),
-}
-
-impl Live {
-    fn socket_path(&self) -> &Path {
-        match self {
-            Live::Jail(s) => s.socket_path(),
-            Live::Vm(v) => v.socket_path(),
-        }
-    }
-    fn pidfd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        match self {
-            Live::Jail(s) => s.pidfd(),
-            Live::Vm(v) => v.pidfd(),
-        }
-    }
-    fn kill(&self) {
-        match self {
-            Live::Jail(s) => s.kill(),
-            Live::Vm(v) => v.kill(),
-        }
-    }
-    fn oom_kills(&self) -> u64 {
-        match self {
-            Live::Jail(s) => s.oom_kills(),
-            Live::Vm(v) => v.oom_kills(),
-        }
-    }
-    fn landlock(&self) -> String {
-        match self {
-            Live::Jail(s) => s.landlock().to_string(),
-            Live::Vm(_) => "none".into(),
-        }
-    }
-    fn denials(&self) -> Vec<cordon_jail::audit::Denial> {
-        match self {
-            Live::Jail(s) => s.denials(),
-            Live::Vm(_) => Vec::new(),
-        }
-    }
-    fn peak_memory(&self) -> u64 {
-        match self {
-            Live::Jail(s) => s.peak_memory(),
-            Live::Vm(v) => v.peak_memory(),
-        }
-    }
-    fn destroy(&mut self) -> Result<()> {
-        match self {
-            Live::Jail(s) => Ok(s.destroy()?),
-            Live::Vm(v) => Ok(v.destroy()?),
-        }
-    }
-}
-
-async fn drive(sandbox: &Live, spec: &SandboxSpec, cmd: &[String], copies: &[Copy]) -> Result<Ended> {
+async fn drive(sandbox: &dyn Instance, spec: &SandboxSpec, cmd: &[String], copies: &[Copy]) -> Result<Ended> {
     use tokio::signal::unix::{signal, SignalKind};
     let deadline = tokio::time::sleep(spec.limits.timeout);
     tokio::pin!(deadline);
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let died = async {
-        match sandbox.pidfd() {
-            Some(fd) => {
-                let owned = fd.try_clone_to_owned()?;
+        match sandbox.death_fd() {
+            Some(owned) => {
                 // SAFETY: `owned` is a pidfd this AsyncFd owns outright, so it stays open and
                 // refers to the same process for the AsyncFd's whole life.
                 let afd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE) }

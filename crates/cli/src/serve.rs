@@ -51,10 +51,12 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     };
 
     cordon_jail::become_subreaper();
-    // Opening the jail reaps every sandbox a crashed `cordon serve` left behind: sandboxes are
-    // not adopted, since their tokens and deadlines died with the old process.
-    let jail = state.jail()?;
-    let backend = cordon_server::backend::JailBackend::new(jail, store, a.envd_version.clone());
+    // Opening a tier reaps every sandbox of it a crashed cordon left behind: sandboxes are not
+    // adopted, since their tokens and deadlines died with the old process. The default tier is
+    // opened now (so the reaping happens at start); the others on their first create.
+    let tiers = cordon_server::backend::Tiers::new(state.host(Some(a.envd_version.clone())));
+    tiers.backend(cordon_spec::Tier::Ns).map_err(|e| usage(e.to_string()))?;
+    let backend = tiers;
     let sandboxes = cordon_server::Sandboxes::new(backend, a.max_sandboxes, a.envd_version);
     let app = Arc::new(cordon_server::App { api_key, sandboxes });
 

@@ -38,11 +38,16 @@ impl State {
         Ok(cordon_image::Store::open(&self.dir)?)
     }
 
-    pub fn jail(&self) -> Result<cordon_jail::Jail> {
+    /// The backend of `tier`, or a one-line usage error saying why this host cannot run it.
+    pub fn backend(&self, tier: cordon_spec::Tier) -> Result<std::sync::Arc<dyn cordon_server::backend::Backend>> {
         self.ensure()?;
+        cordon_server::backend::Tiers::open(&self.host(None), tier).map_err(|e| crate::usage(e.to_string()))
+    }
+
+    /// What the backends need to know about this host.
+    pub fn host(&self, envd_version: Option<String>) -> cordon_server::backend::Host {
         // /proc/self/exe stays valid even if the binary on disk is replaced while we run.
-        let exe = PathBuf::from("/proc/self/exe");
-        Ok(cordon_jail::Jail::open(&self.dir, exe)?)
+        cordon_server::backend::Host { state_dir: self.dir.clone(), exe: PathBuf::from("/proc/self/exe"), envd_version }
     }
 
     /// The vm tier; fails with the reason when the host cannot run it (no QEMU, no cgroups).

@@ -21,8 +21,11 @@ impl Progress for Lazy {
     }
 }
 
-/// The kit (built and cached on first use), the accelerator and the image's disk.
-pub fn prepare(tier: &cordon_vm::VmTier, image: &cordon_image::Image) -> Result<cordon_vm::Prepared> {
+/// The kit (built and cached on first use), the accelerator and the image's disk, with a
+/// progress bar when something has to be built; the backend then finds them cached.
+pub fn prepare(state: &crate::state::State, store: &cordon_image::Store, image: &str) -> Result<()> {
+    let tier = state.vm().map_err(|e| crate::usage(e.to_string()))?;
+    let image = store.get(image)?;
     let mut p = Lazy { bar: None };
     let r = tier.prepare(&image.name, &image.rootfs, &mut p);
     if let Some(bar) = &p.bar {
@@ -31,7 +34,8 @@ pub fn prepare(tier: &cordon_vm::VmTier, image: &cordon_image::Image) -> Result<
             Err(_) => bar.abandon(),
         }
     }
-    Ok(r?)
+    r?;
+    Ok(())
 }
 
 /// `cordon __vm-boot-args`: the VMM command line of a bare boot of the kit (the init powers

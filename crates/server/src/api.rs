@@ -121,14 +121,10 @@ fn timeout_from(t: Option<i64>, default: u64) -> Result<Duration, ApiError> {
 
 async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     let b: CreateBody = read_json(req, false).await?;
-    match b.tier.as_deref() {
-        None | Some("ns") => {}
-        Some(t) => {
-            return Err(ApiError::bad_request(format!(
-                "tier '{t}' is not available: this build of cordon has only the 'ns' tier"
-            )))
-        }
-    }
+    let tier = match b.tier.as_deref() {
+        None => cordon_spec::Tier::Ns,
+        Some(t) => t.parse().map_err(|e: cordon_spec::SpecError| ApiError::bad_request(format!("tier: {}", e.reason)))?,
+    };
     let template = b.template_id.filter(|t| !t.is_empty()).unwrap_or_else(|| "base".to_string());
     if cordon_image::validate_name(&template).is_err() {
         return Err(ApiError::bad_request(format!("template '{template}' is not a valid image name")));
@@ -160,6 +156,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
     let entry = app
         .sandboxes
         .create(NewSandbox {
+            tier,
             template,
             timeout: timeout_from(b.timeout, DEFAULT_TIMEOUT_SECS)?,
             metadata: b.metadata.unwrap_or_default(),

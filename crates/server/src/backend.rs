@@ -1,20 +1,55 @@
-//! What actually makes sandboxes. [`JailBackend`] is the `ns` tier; tests plug in their own.
+//! What actually makes sandboxes: one [`Backend`] per isolation tier, behind one interface that
+//! both front ends use (`cordon run` and `cordon serve`).
+//!
+//! [`JailBackend`] is the `ns` tier. A tier is added as a crate that makes sandboxes plus an
+//! adapter here implementing [`Backend`] and [`Instance`], and an arm in [`Tiers::open`]. Tests
+//! plug in their own backends.
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// What a sandbox is created with, checked by the API layer.
+use cordon_spec::{Limits, Tier};
+
+pub use cordon_jail::audit::Denial;
+
+/// What a sandbox is created with, checked by the front end that asks.
 #[derive(Debug, Clone)]
 pub struct CreateSpec {
     pub id: String,
+    /// The tier that must run it; [`Tiers`] dispatches on it, a single backend ignores it.
+    pub tier: Tier,
     pub template: String,
-    pub env_vars: BTreeMap<String, String>,
-    pub cpu_count: u32,
-    pub memory_mb: u64,
-    pub disk_mb: u64,
+    /// The sandbox's environment, applied over the image's own, in order (later wins).
+    pub env_vars: Vec<(String, String)>,
+    pub limits: Limits,
+    /// The user commands run as when a request names none.
+    pub default_user: String,
+    /// Default working directory of commands; `None` means the user's home.
+    pub workdir: Option<String>,
+    /// Allow ptrace and process_vm_* inside (debuggers, profilers).
+    pub allow_ptrace: bool,
+    /// Record the syscalls the filter denies (see [`Instance::denials`]); costs a thread.
+    pub audit: bool,
+}
+
+impl CreateSpec {
+    /// A spec with the defaults of the API: the `user` user, default limits, no extras.
+    pub fn new(id: String, tier: Tier, template: String, limits: Limits) -> CreateSpec {
+        CreateSpec {
+            id,
+            tier,
+            template,
+            env_vars: Vec::new(),
+            limits,
+            default_user: "user".into(),
+            workdir: None,
+            allow_ptrace: false,
+            audit: false,
+        }
+    }
 }
 
 /// Why a backend could not create a sandbox.
@@ -26,12 +61,16 @@ pub enum BackendError {
     /// The requested resources are out of range.
     #[error("{0}")]
     BadRequest(String),
+    /// The host cannot run the requested tier (missing tool or kernel feature); never a fallback.
+    #[error("{0}")]
+    Unavailable(String),
     /// Everything else: the host failed.
     #[error("{0}")]
     Failed(String),
 }
 
-/// A live sandbox as the registry sees it.
+/// A live sandbox as the front ends see it. Only `socket_path`, `death_fd`, `memory_current` and
+/// `destroy` are required; the rest have defaults for backends that cannot tell.
 pub trait Instance: Send {
     /// The agent's socket.
     fn socket_path(&self) -> &Path;
@@ -47,6 +86,24 @@ pub trait Instance: Send {
     fn disk_usage(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// Kills every process of the sandbox now, without waiting; `destroy` still has to follow.
+    fn kill(&self) {}
+    /// How many times the memory cap killed a process.
+    fn oom_kills(&self) -> u64 {
+        0
+    }
+    /// Highest memory use seen, in bytes (0 when unknown).
+    fn peak_memory(&self) -> u64 {
+        0
+    }
+    /// How much Landlock the kernel enforced (`full`, `partial`, `none`), where the tier uses it.
+    fn landlock(&self) -> Option<String> {
+        None
+    }
+    /// The syscalls the host's filter denied, when created with `audit` and the tier has one.
+    fn denials(&self) -> Vec<Denial> {
+        Vec::new()
+    }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), String>;
 }
@@ -56,16 +113,111 @@ pub trait Backend: Send + Sync {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError>;
 }
 
+/// The image `template` names in `store`, or a message listing the known ones.
+fn image_of(store: &cordon_image::Store, template: &str) -> Result<cordon_image::Image, BackendError> {
+    match store.get(template) {
+        Ok(img) => Ok(img),
+        Err(cordon_image::ImageError::NotFound { .. }) => {
+            let known: Vec<String> = store.list().unwrap_or_default().into_iter().map(|i| i.name).collect();
+            Err(BackendError::UnknownTemplate(format!(
+                "template '{}' not found; available templates: {} (build one with `cordon image build` or `cordon image import`)",
+                template,
+                if known.is_empty() { "none".to_string() } else { known.join(", ") }
+            )))
+        }
+        Err(e) => Err(BackendError::UnknownTemplate(format!("template '{template}': {e}"))),
+    }
+}
+
+/// The agent's configuration for `spec`: the image's environment, then the spec's.
+fn agent_config(spec: &CreateSpec, image: &cordon_image::Image, envd_version: Option<&str>) -> cordon_agent::AgentConfig {
+    let mut env = image.meta.env.clone();
+    for (k, v) in &spec.env_vars {
+        env.retain(|(ek, _)| ek != k);
+        env.push((k.clone(), v.clone()));
+    }
+    cordon_agent::AgentConfig {
+        sandbox_id: spec.id.clone(),
+        default_user: spec.default_user.clone(),
+        workdir: spec.workdir.clone(),
+        env,
+        root: PathBuf::from("/"),
+        envd_version: envd_version.map(str::to_string),
+    }
+}
+
+/// Everything a tier's backend may need to open: the state directory and the image store.
+#[derive(Clone)]
+pub struct Host {
+    /// cordon's state directory (`/var/lib/cordon`).
+    pub state_dir: PathBuf,
+    /// The cordon binary, re-run as jailer or used as the sandbox's agent.
+    pub exe: PathBuf,
+    /// The envd version the agent reports (`None`: the agent's own default).
+    pub envd_version: Option<String>,
+}
+
+/// Every tier, each opened on first use, dispatching on [`CreateSpec::tier`]. A tier the host
+/// cannot run is refused with the reason; it never falls back to another.
+pub struct Tiers {
+    host: Host,
+    opened: Mutex<BTreeMap<&'static str, Arc<dyn Backend>>>,
+}
+
+impl Tiers {
+    pub fn new(host: Host) -> Arc<Tiers> {
+        Arc::new(Tiers { host, opened: Mutex::new(BTreeMap::new()) })
+    }
+
+    /// The backend of `tier`, opening it (and reaping what a crashed cordon left of it) on
+    /// first use.
+    pub fn backend(&self, tier: Tier) -> Result<Arc<dyn Backend>, BackendError> {
+        let mut opened = self.opened.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = opened.get(tier.as_str()) {
+            return Ok(b.clone());
+        }
+        let b = Self::open(&self.host, tier)?;
+        opened.insert(tier.as_str(), b.clone());
+        Ok(b)
+    }
+
+    /// Opens the backend of one tier: the single place that maps a tier to its implementation.
+    pub fn open(host: &Host, tier: Tier) -> Result<Arc<dyn Backend>, BackendError> {
+        let store = cordon_image::Store::open(&host.state_dir).map_err(|e| BackendError::Failed(e.to_string()))?;
+        match tier {
+            Tier::Ns => {
+                let jail = cordon_jail::Jail::open(&host.state_dir, host.exe.clone())
+                    .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+                Ok(JailBackend::new(jail, store, host.envd_version.clone()))
+            }
+            Tier::Vm => {
+                let tier = cordon_vm::VmTier::open(&host.state_dir, host.exe.clone())
+                    .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+                Ok(VmBackend::new(tier, store, host.envd_version.clone()))
+            }
+            t => Err(BackendError::Unavailable(format!(
+                "tier '{t}' cannot run on this host: this build of cordon has no {t} backend yet; use the ns tier (see `cordon doctor`)"
+            ))),
+        }
+    }
+}
+
+impl Backend for Tiers {
+    fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
+        self.backend(spec.tier)?.create(spec)
+    }
+}
+
 /// The `ns` tier: images from the store, sandboxes from the jail.
 pub struct JailBackend {
     jail: cordon_jail::Jail,
     store: cordon_image::Store,
-    envd_version: String,
+    envd_version: Option<String>,
 }
 
 impl JailBackend {
-    /// `jail` must come from `Jail::open`, which has already reaped what a crashed server left.
-    pub fn new(jail: cordon_jail::Jail, store: cordon_image::Store, envd_version: String) -> Arc<JailBackend> {
+    /// `jail` must come from `Jail::open`, which has already reaped what a crashed cordon left.
+    pub fn new(jail: cordon_jail::Jail, store: cordon_image::Store, envd_version: Option<String>) -> Arc<JailBackend> {
         Arc::new(JailBackend { jail, store, envd_version })
     }
 }
@@ -93,63 +245,123 @@ impl Instance for JailInstance {
         self.0.disk_usage()
     }
 
+    fn kill(&self) {
+        self.0.kill()
+    }
+
+    fn oom_kills(&self) -> u64 {
+        self.0.oom_kills()
+    }
+
+    fn peak_memory(&self) -> u64 {
+        self.0.peak_memory()
+    }
+
+    fn landlock(&self) -> Option<String> {
+        Some(self.0.landlock().to_string())
+    }
+
+    fn denials(&self) -> Vec<Denial> {
+        self.0.denials()
+    }
+
     fn destroy(&mut self) -> Result<(), String> {
         self.0.destroy().map_err(|e| e.to_string())
     }
 }
 
-/// A sandbox lives as long as the server says; the jail's own wall clock is only a backstop
-/// beyond the longest TTL the API grants.
-const JAIL_BACKSTOP: Duration = Duration::from_secs(crate::registry::MAX_TIMEOUT_SECS + 3600);
-
 impl Backend for JailBackend {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
-        let image = match self.store.get(&spec.template) {
-            Ok(img) => img,
-            Err(cordon_image::ImageError::NotFound { .. }) => {
-                let known: Vec<String> = self.store.list().unwrap_or_default().into_iter().map(|i| i.name).collect();
-                return Err(BackendError::UnknownTemplate(format!(
-                    "template '{}' not found; available templates: {} (build one with `cordon image build` or `cordon image import`)",
-                    spec.template,
-                    if known.is_empty() { "none".to_string() } else { known.join(", ") }
-                )));
-            }
-            Err(e) => return Err(BackendError::UnknownTemplate(format!("template '{}': {e}", spec.template))),
-        };
-        let limits = cordon_spec::Limits {
-            memory_bytes: spec.memory_mb << 20,
-            cpus: spec.cpu_count as f64,
-            disk_bytes: spec.disk_mb << 20,
-            timeout: JAIL_BACKSTOP,
-            ..Default::default()
-        };
-        limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
-        let mut env = image.meta.env.clone();
-        for (k, v) in &spec.env_vars {
-            env.retain(|(ek, _)| ek != k);
-            env.push((k.clone(), v.clone()));
-        }
-        let agent_cfg = cordon_agent::AgentConfig {
-            sandbox_id: spec.id.clone(),
-            default_user: "user".into(),
-            workdir: None,
-            env,
-            root: PathBuf::from("/"),
-            envd_version: Some(self.envd_version.clone()),
-        };
+        let image = image_of(&self.store, &spec.template)?;
+        spec.limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
+        let agent_cfg = agent_config(spec, &image, self.envd_version.as_deref());
         let cfg = cordon_jail::SandboxConfig {
             id: spec.id.clone(),
             rootfs: image.rootfs.clone(),
-            limits,
+            limits: spec.limits.clone(),
             agent_env: vec![(
                 cordon_agent::ENV_CONFIG.into(),
                 serde_json::to_string(&agent_cfg).map_err(|e| BackendError::Failed(e.to_string()))?,
             )],
-            allow_ptrace: false,
-            // The denied-syscall audit costs a thread per sandbox; `cordon run --audit` is the tool for it.
-            audit: false,
+            allow_ptrace: spec.allow_ptrace,
+            audit: spec.audit,
         };
         let sb = self.jail.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
         Ok(Box::new(JailInstance(sb)))
     }
 }
+
+/// The `vm` tier: images from the store, each sandbox a microVM with its own kernel.
+pub struct VmBackend {
+    tier: cordon_vm::VmTier,
+    store: cordon_image::Store,
+    envd_version: Option<String>,
+}
+
+impl VmBackend {
+    /// `tier` must come from `VmTier::open`, which has already reaped what a crashed cordon left.
+    pub fn new(tier: cordon_vm::VmTier, store: cordon_image::Store, envd_version: Option<String>) -> Arc<VmBackend> {
+        Arc::new(VmBackend { tier, store, envd_version })
+    }
+}
+
+struct VmInstance(cordon_vm::Vm);
+
+impl Instance for VmInstance {
+    fn socket_path(&self) -> &Path {
+        self.0.socket_path()
+    }
+
+    fn death_fd(&self) -> Option<OwnedFd> {
+        self.0.pidfd().and_then(|fd| fd.try_clone_to_owned().ok())
+    }
+
+    fn memory_current(&self) -> u64 {
+        self.0.memory_current()
+    }
+
+    fn cpu_usage_usec(&self) -> u64 {
+        self.0.cgroup().cpu_usage_usec()
+    }
+
+    fn kill(&self) {
+        self.0.kill()
+    }
+
+    fn oom_kills(&self) -> u64 {
+        self.0.oom_kills()
+    }
+
+    fn peak_memory(&self) -> u64 {
+        self.0.peak_memory()
+    }
+
+    fn destroy(&mut self) -> Result<(), String> {
+        self.0.destroy().map_err(|e| e.to_string())
+    }
+}
+
+impl Backend for VmBackend {
+    fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
+        let image = image_of(&self.store, &spec.template)?;
+        spec.limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
+        let vm_err = |e: cordon_vm::VmError| match e {
+            cordon_vm::VmError::BadRequest(m) => BackendError::BadRequest(m),
+            cordon_vm::VmError::Unsupported(m) => BackendError::Unavailable(m),
+            e => BackendError::Failed(e.to_string()),
+        };
+        // Cached after the first VM of an image: the kit, the KVM/TCG verdict and the disk.
+        let prep = self.tier.prepare(&image.name, &image.rootfs, &mut cordon_image::NoProgress).map_err(vm_err)?;
+        let cfg = cordon_vm::VmConfig {
+            id: spec.id.clone(),
+            limits: spec.limits.clone(),
+            agent: agent_config(spec, &image, self.envd_version.as_deref()),
+        };
+        let vm = self.tier.create(&cfg, &prep).map_err(vm_err)?;
+        Ok(Box::new(VmInstance(vm)))
+    }
+}
+
+/// How long a sandbox of the server may live at most, as far as its backend knows: the server
+/// ends it earlier by its TTL; this is only a backstop beyond the longest TTL the API grants.
+pub const SERVER_BACKSTOP: Duration = Duration::from_secs(crate::registry::MAX_TIMEOUT_SECS + 3600);

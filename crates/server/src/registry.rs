@@ -26,6 +26,7 @@ const READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// One live sandbox.
 pub struct Entry {
     pub id: String,
+    pub tier: cordon_spec::Tier,
     pub template: String,
     pub token: String,
     pub metadata: BTreeMap<String, String>,
@@ -71,6 +72,7 @@ impl Entry {
 
 /// What a create asks for, before it has an id.
 pub struct NewSandbox {
+    pub tier: cordon_spec::Tier,
     pub template: String,
     pub timeout: Duration,
     pub metadata: BTreeMap<String, String>,
@@ -152,14 +154,15 @@ impl Sandboxes {
     /// Creates a sandbox and returns once its agent answers.
     pub async fn create(self: &Arc<Self>, req: NewSandbox) -> Result<Arc<Entry>, ApiError> {
         let _slot = self.reserve()?;
-        let spec = CreateSpec {
-            id: cordon_jail::new_id(),
-            template: req.template.clone(),
-            env_vars: req.env_vars.clone(),
-            cpu_count: req.cpu_count,
-            memory_mb: req.memory_mb,
-            disk_mb: req.disk_mb,
+        let limits = cordon_spec::Limits {
+            memory_bytes: req.memory_mb << 20,
+            cpus: req.cpu_count as f64,
+            disk_bytes: req.disk_mb << 20,
+            timeout: crate::backend::SERVER_BACKSTOP,
+            ..Default::default()
         };
+        let mut spec = CreateSpec::new(cordon_jail::new_id(), req.tier, req.template.clone(), limits);
+        spec.env_vars = req.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let started = Instant::now();
         let backend = self.backend.clone();
         let spec2 = spec.clone();
@@ -170,7 +173,7 @@ impl Sandboxes {
                 tracing::info!(sandbox = %spec.id, template = %spec.template, "sandbox create refused: {e}");
                 match e {
                     BackendError::UnknownTemplate(m) => ApiError::not_found(m),
-                    BackendError::BadRequest(m) => ApiError::bad_request(m),
+                    BackendError::BadRequest(m) | BackendError::Unavailable(m) => ApiError::bad_request(m),
                     BackendError::Failed(m) => ApiError::internal(format!("cannot create the sandbox: {m}")),
                 }
             })?;
@@ -178,6 +181,7 @@ impl Sandboxes {
         let death = instance.death_fd();
         let entry = Arc::new(Entry {
             id: spec.id.clone(),
+            tier: req.tier,
             template: req.template,
             token: auth::new_access_token(),
             metadata: req.metadata,

@@ -218,7 +218,7 @@ async fn malformed_requests_get_400_and_the_server_lives_on() {
         r#"{"timeout":99999999}"#,
         r#"{"metadata":{"k":1}}"#,
         r#"{"envVars":[]}"#,
-        r#"{"tier":"vm"}"#,
+        r#"{"tier":"docker"}"#,
         r#"{"cpuCount":0}"#,
         r#"{"memoryMB":1}"#,
         r#"{"templateID":"../etc"}"#,
