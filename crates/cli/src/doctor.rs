@@ -168,16 +168,8 @@ fn checks(state: &State) -> Vec<Check> {
         Some(p) => ok("mmdebstrap", p),
         None => warn("mmdebstrap", "not installed (needed to build images; installed automatically when cordon runs as root)", "apt-get install mmdebstrap"),
     });
-    out.push(if Path::new("/dev/kvm").exists() {
-        warn("kvm", "/dev/kvm exists; whether it boots a guest is probed by the vm tier", "none needed for the ns tier")
-    } else {
-        warn("kvm", "no /dev/kvm: a vm tier would run under TCG emulation", "load kvm_intel or kvm_amd, or enable nested virtualisation")
-    });
     out.push(runsc_check(state));
-    out.push(match which("qemu-system-x86_64") {
-        Some(p) => ok("qemu", p),
-        None => warn("qemu", "qemu-system-x86 not installed", "apt-get install qemu-system-x86"),
-    });
+    out.extend(vm_checks(state));
 
     let images = state.images().ok().and_then(|s| s.list().ok()).unwrap_or_default();
     out.push(if images.iter().any(|i| i.name == "base") {
@@ -226,6 +218,39 @@ fn runsc_check(state: &State) -> Check {
     }
 }
 
+/// The vm tier: its VMM, the tools that build its kit and disks, the cached kit, and whether it
+/// runs under KVM or TCG (a real boot decides, not the presence of /dev/kvm). Opening the tier
+/// also reaps VMs a crashed cordon left.
+fn vm_checks(state: &State) -> Vec<Check> {
+    let mut out = Vec::new();
+    out.push(match which("mkfs.ext4") {
+        Some(p) => ok("mkfs.ext4", p),
+        None => warn("mkfs.ext4", "not installed (the vm tier makes its disks with it)", "apt-get install e2fsprogs"),
+    });
+    let tier = match state.vm() {
+        Ok(t) => t,
+        Err(e) => {
+            out.push(warn("vm tier", e.to_string(), "apt-get install qemu-system-x86 (scripts/install-deps), or set CORDON_QEMU"));
+            return out;
+        }
+    };
+    out.push(ok("vmm", format!("{} ({})", tier.vmm().binary().display(), tier.vmm().name())));
+    let kdir = tier.vm_dir().join("kernel");
+    let Some(kernel) = cordon_vm::kit::current_kernel(&kdir) else {
+        out.push(ok("vm tier", "guest kit not built yet (built on the first `cordon run --tier vm`); KVM or TCG is decided then"));
+        return out;
+    };
+    out.push(ok("guest kernel", format!("{kernel} in {}", kdir.display())));
+    // The probe needs the kit (initramfs); building it is cheap once the kernel is cached.
+    let accel = cordon_vm::kit::ensure(tier.vm_dir(), Path::new("/proc/self/exe"), &mut cordon_image::NoProgress)
+        .and_then(|kit| cordon_vm::accel::choose(tier.vm_dir(), tier.vmm(), &kit));
+    out.push(match accel {
+        Ok(v) => ok("vm tier", format!("{} ({})", v.accel.as_str(), v.reason)),
+        Err(e) => warn("vm tier", e.to_string(), "see the message"),
+    });
+    out
+}
+
 pub fn main(state: &State) -> Result<u8> {
     let checks = checks(state);
     let mut bad = 0;
@@ -258,5 +283,11 @@ pub fn main(state: &State) -> Result<u8> {
         }
     );
     println!("tier vm      not available: no vm backend in this build");
+    println!("tier gvisor  not available: no gvisor backend in this build");
+    match checks.iter().find(|c| c.name == "vm tier") {
+        Some(c) if c.status == Status::Ok => println!("tier vm      available: {}", c.detail),
+        Some(c) => println!("tier vm      NOT available: {}", c.detail),
+        None => println!("tier vm      NOT available"),
+    }
     Ok(if bad == 0 { 0 } else { 1 })
 }

@@ -3,6 +3,7 @@
 //! One static binary plays three roles, chosen before anything else runs:
 //! - `cordon-agent` (argv[0]): PID 1 inside a sandbox;
 //! - `cordon __jail`: the single-threaded jailer that builds one sandbox;
+//! - `/init` as PID 1: the guest init of a vm-tier sandbox;
 //! - everything else: the command line.
 
 mod doctor;
@@ -11,6 +12,7 @@ mod progress;
 mod run;
 mod serve;
 mod state;
+mod vm;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -41,6 +43,9 @@ enum Command {
     Doctor,
     /// Serve the E2B API (control plane and sandbox traffic) on one port.
     Serve(serve::ServeArgs),
+    /// The VMM command line of a bare boot of the vm tier's kit (for the bench).
+    #[command(name = "__vm-boot-args", hide = true)]
+    VmBootArgs,
 }
 
 /// An error the user caused (bad flag, unknown image): exit code 2.
@@ -60,6 +65,9 @@ pub fn usage(msg: impl Into<String>) -> anyhow::Error {
 }
 
 fn main() -> ExitCode {
+    if cordon_vm::guest::is_guest_init() {
+        cordon_vm::guest::main();
+    }
     let mut args = std::env::args_os();
     let argv0 = args.next().unwrap_or_default();
     if std::path::Path::new(&argv0).file_name().is_some_and(|n| n == "cordon-agent") {
@@ -88,6 +96,7 @@ fn main() -> ExitCode {
         Command::Image(c) => image_cmd::main(&state, c).map(|()| 0),
         Command::Doctor => doctor::main(&state),
         Command::Serve(a) => serve::main(&state, a),
+        Command::VmBootArgs => vm::boot_args(&state),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -152,6 +152,10 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
         }
         Err(e) => return Err(crate::image_cmd::image_error(e)),
     };
+    if spec.tier == Tier::Vm {
+        // The first VM builds the guest kit and the image's disk: shown as image builds are.
+        crate::vm::prepare(state, &store, &spec.image)?;
+    }
 
     let id = cordon_jail::new_id();
     let mut create = CreateSpec::new(id.clone(), spec.tier, spec.image.clone(), spec.limits.clone());
@@ -170,7 +174,10 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let outcome = rt.block_on(drive(sandbox.as_ref(), &spec, &a.command, &copies));
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
-    let oom = sandbox.oom_kills() > 0;
+    // A VM's count comes from its guest, a round trip through the agent: asked only when the
+    // command was killed.
+    let killed = matches!(outcome, Ok(Ended::Signaled(9) | Ended::Died));
+    let oom = (killed || spec.tier != Tier::Vm) && sandbox.oom_kills() > 0;
     let landlock = sandbox.landlock();
     let denials = sandbox.denials();
     let peak = sandbox.peak_memory();

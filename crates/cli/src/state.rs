@@ -49,4 +49,10 @@ impl State {
         // /proc/self/exe stays valid even if the binary on disk is replaced while we run.
         cordon_server::backend::Host { state_dir: self.dir.clone(), exe: PathBuf::from("/proc/self/exe"), envd_version }
     }
+
+    /// The vm tier; fails with the reason when the host cannot run it (no QEMU, no cgroups).
+    pub fn vm(&self) -> Result<cordon_vm::VmTier, cordon_vm::VmError> {
+        self.ensure().map_err(|e| cordon_vm::VmError::Unsupported(e.to_string()))?;
+        cordon_vm::VmTier::open(&self.dir, PathBuf::from("/proc/self/exe"))
+    }
 }

@@ -18,6 +18,7 @@ mod slots;
 mod sys;
 
 pub use cgroup::{Cgroup, Layout};
+pub use slots::{Slot, Slots};
 
 use cordon_spec::Limits;
 use serde::{Deserialize, Serialize};

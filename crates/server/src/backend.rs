@@ -195,9 +195,11 @@ impl Tiers {
                     .map_err(|e| BackendError::Unavailable(e.to_string()))?;
                 Ok(GvisorBackend::new(gv, store, host.envd_version.clone()))
             }
-            t => Err(BackendError::Unavailable(format!(
-                "tier '{t}' cannot run on this host: this build of cordon has no {t} backend yet; use the ns tier (see `cordon doctor`)"
-            ))),
+            Tier::Vm => {
+                let tier = cordon_vm::VmTier::open(&host.state_dir, host.exe.clone())
+                    .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+                Ok(VmBackend::new(tier, store, host.envd_version.clone()))
+            }
         }
     }
 }
@@ -365,6 +367,77 @@ impl Backend for GvisorBackend {
         };
         let sb = self.gv.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
         Ok(Box::new(GvisorInstance(sb)))
+    }
+}
+
+/// The `vm` tier: images from the store, each sandbox a microVM with its own kernel.
+pub struct VmBackend {
+    tier: cordon_vm::VmTier,
+    store: cordon_image::Store,
+    envd_version: Option<String>,
+}
+
+impl VmBackend {
+    /// `tier` must come from `VmTier::open`, which has already reaped what a crashed cordon left.
+    pub fn new(tier: cordon_vm::VmTier, store: cordon_image::Store, envd_version: Option<String>) -> Arc<VmBackend> {
+        Arc::new(VmBackend { tier, store, envd_version })
+    }
+}
+
+struct VmInstance(cordon_vm::Vm);
+
+impl Instance for VmInstance {
+    fn socket_path(&self) -> &Path {
+        self.0.socket_path()
+    }
+
+    fn death_fd(&self) -> Option<OwnedFd> {
+        self.0.pidfd().and_then(|fd| fd.try_clone_to_owned().ok())
+    }
+
+    fn memory_current(&self) -> u64 {
+        self.0.memory_current()
+    }
+
+    fn cpu_usage_usec(&self) -> u64 {
+        self.0.cgroup().cpu_usage_usec()
+    }
+
+    fn kill(&self) {
+        self.0.kill()
+    }
+
+    fn oom_kills(&self) -> u64 {
+        self.0.oom_kills()
+    }
+
+    fn peak_memory(&self) -> u64 {
+        self.0.peak_memory()
+    }
+
+    fn destroy(&mut self) -> Result<(), String> {
+        self.0.destroy().map_err(|e| e.to_string())
+    }
+}
+
+impl Backend for VmBackend {
+    fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
+        let image = image_of(&self.store, &spec.template)?;
+        spec.limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
+        let vm_err = |e: cordon_vm::VmError| match e {
+            cordon_vm::VmError::BadRequest(m) => BackendError::BadRequest(m),
+            cordon_vm::VmError::Unsupported(m) => BackendError::Unavailable(m),
+            e => BackendError::Failed(e.to_string()),
+        };
+        // Cached after the first VM of an image: the kit, the KVM/TCG verdict and the disk.
+        let prep = self.tier.prepare(&image.name, &image.rootfs, &mut cordon_image::NoProgress).map_err(vm_err)?;
+        let cfg = cordon_vm::VmConfig {
+            id: spec.id.clone(),
+            limits: spec.limits.clone(),
+            agent: agent_config(spec, &image, self.envd_version.as_deref()),
+        };
+        let vm = self.tier.create(&cfg, &prep).map_err(vm_err)?;
+        Ok(Box::new(VmInstance(vm)))
     }
 }
 

@@ -1,0 +1,227 @@
+//! The guest init: PID 1 of the VM, run from the initramfs as `/init` (the cordon binary).
+//!
+//! In a fixed order: mount /dev, /proc, /sys; load the kit's modules (finit_module, dependency
+//! order, parameters from the kernel command line as modprobe would pass them); find the two
+//! disks and the agent port by the names the host gave them; overlay the writable disk on the
+//! read-only image disk; read the sandbox's config from the port; move into the new root;
+//! set the hostname; then serve the envd agent on the port, multiplexed by `cordon-channel`.
+//! Anything failing is printed on the console (the host shows it) and the VM powers off.
+
+use crate::preamble;
+use std::ffi::CString;
+use std::fs;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Serial numbers of the disks and the name of the agent port (the host sets them).
+pub const ROOT_SERIAL: &str = "cordon-root";
+pub const RW_SERIAL: &str = "cordon-rw";
+pub const PORT_NAME: &str = "cordon.agent";
+/// With `cordon.probe=1` on the command line the init only says it is up and powers off: the
+/// KVM boot probe and the boot-time anchor of the bench.
+pub const PROBE_ARG: &str = "cordon.probe=1";
+pub const PROBE_OK: &str = "cordon-init: up";
+/// With `cordon.debug` on the command line the init prints when each step is done (seconds
+/// since the guest kernel started) on the console.
+pub const DEBUG_ARG: &str = "cordon.debug";
+
+static DEBUG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn step(name: &str) {
+    if DEBUG.load(std::sync::atomic::Ordering::Relaxed) {
+        let up = fs::read_to_string("/proc/uptime").unwrap_or_default();
+        eprintln!("cordon-init: {name} at {}s", up.split_whitespace().next().unwrap_or("?"));
+    }
+}
+
+/// Whether this process is the guest init: PID 1, started as `/init`.
+pub fn is_guest_init() -> bool {
+    std::process::id() == 1 && std::env::args_os().next().is_some_and(|a| a == "/init")
+}
+
+pub fn main() -> ! {
+    if let Err(e) = init() {
+        eprintln!("cordon-init: {e}");
+    }
+    power_off()
+}
+
+fn power_off() -> ! {
+    // SAFETY: sync and reboot take no pointers. PID 1 may not exit (that would panic the
+    // kernel); powering off ends the VMM process instead.
+    unsafe {
+        libc::sync();
+        libc::reboot(libc::RB_POWER_OFF);
+    }
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+fn errno(what: impl std::fmt::Display) -> String {
+    format!("{what}: {}", io::Error::last_os_error())
+}
+
+fn cstr(s: &str) -> CString {
+    CString::new(s).expect("no NUL in paths")
+}
+
+fn mount(src: &str, target: &str, fstype: &str, flags: libc::c_ulong, data: &str) -> Result<(), String> {
+    let (s, t, f, d) = (cstr(src), cstr(target), cstr(fstype), cstr(data));
+    tracing::debug!(src, target, fstype, data, "mount");
+    // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call.
+    let r = unsafe { libc::mount(s.as_ptr(), t.as_ptr(), f.as_ptr(), flags, d.as_ptr().cast()) };
+    if r != 0 {
+        return Err(errno(format!("mount {fstype} {src} on {target}")));
+    }
+    Ok(())
+}
+
+fn init() -> Result<(), String> {
+    let t0 = Instant::now();
+    mount("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755")?;
+    mount("proc", "/proc", "proc", libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, "")?;
+    mount("sysfs", "/sys", "sysfs", libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, "")?;
+    let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    if cmdline.split_whitespace().any(|a| a == PROBE_ARG) {
+        println!("{PROBE_OK}");
+        return Ok(());
+    }
+    DEBUG.store(cmdline.split_whitespace().any(|a| a == DEBUG_ARG), std::sync::atomic::Ordering::Relaxed);
+    step("init started");
+    load_modules(&cmdline)?;
+    step("modules loaded");
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let root_dev = wait_for(deadline, || disk_by_serial(ROOT_SERIAL), "the image disk")?;
+    let rw_dev = wait_for(deadline, || disk_by_serial(RW_SERIAL), "the writable disk")?;
+    let port = wait_for(deadline, || port_by_name(PORT_NAME), "the agent port")?;
+
+    for d in ["/mnt/lower", "/mnt/rw", "/mnt/root"] {
+        fs::create_dir_all(d).map_err(|e| format!("create {d}: {e}"))?;
+    }
+    mount(&root_dev, "/mnt/lower", "ext4", libc::MS_RDONLY | libc::MS_NODEV, "")?;
+    mount(&rw_dev, "/mnt/rw", "ext4", libc::MS_NODEV, "discard")?;
+    for d in ["/mnt/rw/upper", "/mnt/rw/work"] {
+        fs::create_dir_all(d).map_err(|e| format!("create {d}: {e}"))?;
+    }
+    mount("overlay", "/mnt/root", "overlay", 0, "lowerdir=/mnt/lower,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work")?;
+
+    step("root mounted");
+    let link = open_port(&port)?;
+    let cfg = preamble::read(&link).map_err(|e| format!("read the sandbox config from {port}: {e}"))?;
+
+    // Into the new root: the initramfs (rootfs) cannot be pivoted away, so move the new root
+    // over it and chroot, as switch_root does. /dev, /proc and /sys move along.
+    for (from, to) in [("/dev", "/mnt/root/dev"), ("/proc", "/mnt/root/proc"), ("/sys", "/mnt/root/sys")] {
+        fs::create_dir_all(to).map_err(|e| format!("create {to}: {e}"))?;
+        mount(from, to, "", libc::MS_MOVE, "")?;
+    }
+    std::env::set_current_dir("/mnt/root").map_err(|e| format!("chdir /mnt/root: {e}"))?;
+    mount(".", "/", "", libc::MS_MOVE, "")?;
+    let dot = cstr(".");
+    // SAFETY: valid NUL-terminated path.
+    if unsafe { libc::chroot(dot.as_ptr()) } != 0 {
+        return Err(errno("chroot"));
+    }
+    std::env::set_current_dir("/").map_err(|e| format!("chdir /: {e}"))?;
+    for d in ["/dev/pts", "/dev/shm", "/run", "/tmp"] {
+        let _ = fs::create_dir_all(d);
+    }
+    mount("devpts", "/dev/pts", "devpts", libc::MS_NOSUID | libc::MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5")?;
+    mount("shm", "/dev/shm", "tmpfs", libc::MS_NOSUID | libc::MS_NODEV, "mode=1777")?;
+    mount("run", "/run", "tmpfs", libc::MS_NOSUID | libc::MS_NODEV, "mode=0755")?;
+    let _ = fs::remove_file("/dev/ptmx");
+    let _ = std::os::unix::fs::symlink("pts/ptmx", "/dev/ptmx");
+    // SAFETY: chmod of a fixed path; /tmp on the overlay must be world-writable and sticky.
+    unsafe { libc::chmod(c"/tmp".as_ptr(), 0o1777) };
+
+    let host = cfg.hostname.as_bytes();
+    // SAFETY: pointer and length of a live byte slice.
+    if unsafe { libc::sethostname(host.as_ptr().cast(), host.len()) } != 0 {
+        return Err(errno("sethostname"));
+    }
+    // The guest's OOM killer must pick the command, never the agent that reports it.
+    let _ = fs::write("/proc/self/oom_score_adj", "-1000");
+    tracing::debug!(elapsed = ?t0.elapsed(), "guest init ready");
+    step("serving the agent");
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("runtime: {e}"))?;
+    rt.block_on(async move {
+        let link = cordon_channel::FdLink::duplex(link)?;
+        cordon_agent::serve_link(link, cfg.agent).await
+    })
+    .map_err(|e| format!("agent: {e}"))
+}
+
+/// Loads the kit's modules in the order the host computed. Parameters for a module on the
+/// kernel command line (`name.param=value`) are the kernel's to apply only for built-in code;
+/// for modules, modprobe passes them, so this does too.
+fn load_modules(cmdline: &str) -> Result<(), String> {
+    let order = fs::read_to_string("/lib/modules/order").unwrap_or_default();
+    for name in order.lines().filter(|l| !l.is_empty()) {
+        let path = format!("/lib/modules/{name}.ko");
+        let params: Vec<&str> = cmdline
+            .split_whitespace()
+            .filter_map(|a| a.split_once('.').filter(|(m, _)| m.replace('-', "_") == *name).map(|(_, p)| p))
+            .collect();
+        let params = cstr(&params.join(" "));
+        let f = fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
+        // SAFETY: finit_module with an open module file and a NUL-terminated parameter string.
+        let r = unsafe { libc::syscall(libc::SYS_finit_module, f.as_raw_fd(), params.as_ptr(), 0) };
+        if r != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+            return Err(errno(format!("load module {name}")));
+        }
+        tracing::debug!(name, "module loaded");
+        // The initramfs lives in RAM: give the module's copy back.
+        drop(f);
+        let _ = fs::remove_file(&path);
+    }
+    Ok(())
+}
+
+fn wait_for(deadline: Instant, mut find: impl FnMut() -> Option<String>, what: &str) -> Result<String, String> {
+    loop {
+        if let Some(v) = find() {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{what} did not appear within 30 s (is the VMM giving the guest its devices?)"));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn disk_by_serial(serial: &str) -> Option<String> {
+    for e in fs::read_dir("/sys/block").ok()?.flatten() {
+        let s = fs::read_to_string(e.path().join("serial")).unwrap_or_default();
+        if s.trim() == serial {
+            return Some(format!("/dev/{}", e.file_name().to_string_lossy()));
+        }
+    }
+    None
+}
+
+fn port_by_name(name: &str) -> Option<String> {
+    for e in fs::read_dir("/sys/class/virtio-ports").ok()?.flatten() {
+        let s = fs::read_to_string(e.path().join("name")).unwrap_or_default();
+        if s.trim() == name {
+            let dev = PathBuf::from("/dev").join(e.file_name());
+            return Path::new(&dev).exists().then(|| dev.to_string_lossy().into_owned());
+        }
+    }
+    None
+}
+
+fn open_port(path: &str) -> Result<OwnedFd, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| format!("open {path}: {e}"))?;
+    Ok(f.into())
+}

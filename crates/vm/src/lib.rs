@@ -1,0 +1,570 @@
+//! The `vm` tier: each sandbox is a microVM with its own guest kernel.
+//!
+//! - [`kit`]: a Debian kernel from the apt registry, unpacked to an uncompressed vmlinux (PVH
+//!   boot), its virtio/overlay modules, and an initramfs whose `/init` is the cordon binary;
+//! - [`disk`]: the image as a read-only ext4 disk shared by all its VMs, and a per-VM
+//!   writable layer whose size is the disk cap;
+//! - [`vmm`]: the VMM behind a trait (QEMU `-M microvm` here), [`accel`]: KVM only when a
+//!   guest really boots under it, TCG otherwise;
+//! - [`jailer`]: the VMM process in its own namespaces, cgroup and uid, seeing only its files;
+//! - [`guest`]: the guest init, which overlays the disks, switches root and serves the same
+//!   envd agent as every tier over a virtio-serial port, multiplexed by `cordon-channel`. The
+//!   host side serves that link as a Unix socket, so clients of the agent do not change.
+//!
+//! Each VM is recorded under `<state>/vm/run/<id>` with an flock held by its owner; the VMM
+//! dies with its owner (parent-death signal), and the next [`VmTier::open`] removes what is
+//! left (cgroup, writable layer, socket).
+
+pub mod accel;
+pub mod disk;
+pub mod guest;
+mod initramfs;
+pub mod jailer;
+pub mod kit;
+mod modules;
+pub mod preamble;
+pub mod vmlinux;
+pub mod vmm;
+
+pub use accel::Verdict;
+pub use kit::Kit;
+pub use vmm::{Accel, Qemu, Vmm};
+
+use cordon_image::Progress;
+use cordon_jail::{Cgroup, Layout};
+use cordon_spec::Limits;
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::fs;
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Errors of the vm tier; each says what failed and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// The host cannot run the tier (no VMM, no cgroups).
+    #[error("the vm tier cannot run here: {0}")]
+    Unsupported(String),
+    /// The guest kit could not be built.
+    #[error("guest kit: {0}")]
+    Kit(String),
+    /// A disk could not be made.
+    #[error("vm disk: {0}")]
+    Disk(String),
+    /// The request is out of range.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The guest did not come up.
+    #[error("the VM did not boot: {0}")]
+    Boot(String),
+    /// An operation on the host failed.
+    #[error("{what}: {source}")]
+    Io { what: String, source: io::Error },
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> VmError {
+    let what = what.into();
+    move |source| VmError::Io { what, source }
+}
+
+/// Smallest guest: the kernel, the initramfs (the cordon binary) and a Python need this much.
+pub const MIN_MEMORY_MIB: u64 = 128;
+/// Host memory the VMM process needs beyond the guest's RAM (its code, device state and the
+/// bounded TCG translation cache), added to the cgroup's limit.
+const VMM_OVERHEAD_MIB: u64 = 192;
+/// How long a guest may take from VMM start to a serving agent.
+const BOOT_DEADLINE: Duration = Duration::from_secs(90);
+/// Set to 1 to see the guest's console (kernel messages, init steps) on stderr.
+pub const ENV_DEBUG: &str = "CORDON_VM_DEBUG";
+
+fn debug_console() -> bool {
+    std::env::var_os(ENV_DEBUG).is_some_and(|v| v == "1")
+}
+
+/// Bytes of console output kept for error messages.
+const CONSOLE_KEEP: usize = 16 * 1024;
+
+/// What to create.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    pub id: String,
+    pub limits: Limits,
+    pub agent: cordon_agent::AgentConfig,
+}
+
+/// The kit, acceleration and disk one image's VMs boot from.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub kit: Kit,
+    pub accel: Verdict,
+    pub root_disk: PathBuf,
+}
+
+/// The tier on this host: its VMM, state directories and cgroup layout.
+pub struct VmTier {
+    vm_dir: PathBuf,
+    run_dir: PathBuf,
+    slots: cordon_jail::Slots,
+    layout: Layout,
+    exe: PathBuf,
+    vmm: Box<dyn Vmm>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    id: String,
+    cgroup: Cgroup,
+    pid: Option<i32>,
+}
+
+impl VmTier {
+    /// Finds the VMM (a clear error when there is none: never a fallback to another tier),
+    /// opens `<state>/vm` and reaps what a crashed cordon left. `exe` is the cordon binary,
+    /// which becomes the guest's init.
+    pub fn open(state_dir: &Path, exe: PathBuf) -> Result<VmTier, VmError> {
+        let vmm = Box::new(Qemu::find()?);
+        let layout = Layout::detect();
+        let missing = layout.missing();
+        if !missing.is_empty() {
+            return Err(VmError::Unsupported(format!("cgroup controllers missing: {}", missing.join(", "))));
+        }
+        let vm_dir = state_dir.join("vm");
+        let run_dir = vm_dir.join("run");
+        fs::create_dir_all(&run_dir).map_err(io_err(format!("create {}", run_dir.display())))?;
+        let slots = cordon_jail::Slots::open(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
+        let tier = VmTier { vm_dir, run_dir, slots, layout, exe, vmm };
+        tier.reap_orphans();
+        Ok(tier)
+    }
+
+    pub fn vmm(&self) -> &dyn Vmm {
+        &*self.vmm
+    }
+
+    pub fn vm_dir(&self) -> &Path {
+        &self.vm_dir
+    }
+
+    /// Builds (once) the kit, chooses the accelerator and makes (once) the image's disk.
+    pub fn prepare(&self, image: &str, rootfs: &Path, progress: &mut dyn Progress) -> Result<Prepared, VmError> {
+        let kit = kit::ensure(&self.vm_dir, &self.exe, progress)?;
+        let accel = accel::choose(&self.vm_dir, &*self.vmm, &kit)?;
+        let root_disk = disk::root_disk(&self.vm_dir, image, rootfs, progress)?;
+        Ok(Prepared { kit, accel, root_disk })
+    }
+
+    /// Kills and removes every VM whose owning process is gone. Returns how many.
+    pub fn reap_orphans(&self) -> usize {
+        let Ok(entries) = fs::read_dir(&self.run_dir) else { return 0 };
+        let mut reaped = 0;
+        for e in entries.flatten() {
+            let dir = e.path();
+            let Ok(lock) = fs::File::open(dir.join("lock")) else {
+                let _ = fs::remove_dir_all(&dir);
+                continue;
+            };
+            if !flock_nb(&lock) {
+                continue; // its owner is alive
+            }
+            if let Ok(rec) = fs::read(dir.join("record.json"))
+                .map_err(drop)
+                .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(drop))
+            {
+                tracing::info!(id = %rec.id, "reaping VM left by a dead cordon process");
+                rec.cgroup.kill_and_wait(Duration::from_secs(5));
+                let _ = rec.cgroup.remove();
+            }
+            let _ = fs::remove_dir_all(&dir);
+            reaped += 1;
+        }
+        reaped
+    }
+
+    /// Boots a VM and returns once its agent answers on [`Vm::socket_path`].
+    pub fn create(&self, cfg: &VmConfig, prep: &Prepared) -> Result<Vm, VmError> {
+        cfg.limits.validate().map_err(|e| VmError::BadRequest(e.to_string()))?;
+        let memory_mib = cfg.limits.memory_bytes >> 20;
+        if memory_mib < MIN_MEMORY_MIB {
+            return Err(VmError::BadRequest(format!("the vm tier needs a memory cap of at least {MIN_MEMORY_MIB}M (the guest kernel and agent live in it)")));
+        }
+        let dir = self.run_dir.join(&cfg.id);
+        fs::create_dir(&dir).map_err(io_err(format!("create {}", dir.display())))?;
+        let lock = match fs::File::create(dir.join("lock")) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(io_err("create lock")(e));
+            }
+        };
+        flock_nb(&lock);
+        let mut vm = Vm {
+            id: cfg.id.clone(),
+            socket: dir.join("agent.sock"),
+            dir,
+            cgroup: Cgroup::plan(&self.layout, &cfg.id),
+            slot: None,
+            _lock: lock,
+            pid: 0,
+            pidfd: None,
+            thread: None,
+            console: Arc::new(Mutex::new(VecDeque::new())),
+            accel: prep.accel.accel,
+            torn_down: false,
+        };
+        // From here on, dropping `vm` on any error undoes every step taken so far.
+        let slot = self.slots.acquire().ok_or_else(|| VmError::BadRequest("no free uid range for the VMM".into()))?;
+        let uid = cordon_jail::UID_BASE + slot.index * cordon_jail::UID_COUNT;
+        vm.slot = Some(slot);
+        vm.write_record()?;
+        let vmm_limits = Limits {
+            memory_bytes: (memory_mib + VMM_OVERHEAD_MIB) << 20,
+            pids: 256,
+            ..cfg.limits.clone()
+        };
+        vm.cgroup.create(&vmm_limits).map_err(io_err("create cgroups"))?;
+
+        let t = Instant::now();
+        let rw = vm.dir.join("rw.ext4");
+        disk::writable_layer(&rw, cfg.limits.disk_bytes, uid)?;
+        tracing::debug!(elapsed = ?t.elapsed(), "writable layer made");
+
+        // The agent link: one end for the VMM (its virtio-serial chardev), one for us.
+        let (host_end, vmm_end) = std::os::unix::net::UnixStream::pair().map_err(io_err("socketpair"))?;
+        let mut host_end = host_end;
+        preamble::write(&mut host_end, &preamble::GuestConfig { hostname: cfg.id.clone(), agent: cfg.agent.clone() })
+            .map_err(io_err("send the sandbox config"))?;
+        let listener = std::os::unix::net::UnixListener::bind(&vm.socket).map_err(io_err("bind agent socket"))?;
+        listener.set_nonblocking(true).map_err(io_err("agent socket"))?;
+
+        // The jail: the VMM sees its libraries, the boot files and this VM's disks only.
+        let jail_root = vm.dir.join("jail");
+        fs::create_dir(&jail_root).map_err(io_err("create jail dir"))?;
+        let mut plan = jailer::Plan::new(&jail_root, uid);
+        plan.system_dirs();
+        let bin = self.vmm.binary().to_path_buf();
+        if !bin.starts_with("/usr") {
+            plan.bind(&bin, &bin, false);
+        }
+        for dev in ["/dev/null", "/dev/urandom"] {
+            plan.bind(Path::new(dev), Path::new(dev), true);
+        }
+        if prep.accel.accel == Accel::Kvm {
+            plan.bind(Path::new("/dev/kvm"), Path::new("/dev/kvm"), true);
+            if let Ok(m) = fs::metadata("/dev/kvm") {
+                plan.group(std::os::unix::fs::MetadataExt::gid(&m));
+            }
+        }
+        plan.bind(&prep.kit.vmlinux, Path::new("/vm/vmlinux"), false);
+        plan.bind(&prep.kit.initramfs, Path::new("/vm/initramfs"), false);
+        plan.bind(&prep.root_disk, Path::new("/vm/root.ext4"), false);
+        plan.bind(&rw, Path::new("/vm/rw.ext4"), true);
+        let cgroup_files = plan.cgroups(&vm.cgroup.procs_files()).map_err(io_err("open cgroup.procs"))?;
+        const CHANNEL_FD: i32 = 3;
+        plan.pass_fd(vmm_end.as_raw_fd(), CHANNEL_FD);
+
+        let spec = vmm::BootSpec {
+            kernel: "/vm/vmlinux".into(),
+            initramfs: "/vm/initramfs".into(),
+            cmdline: if debug_console() {
+                format!("console=ttyS0 panic=-1 rdinit=/init {}", guest::DEBUG_ARG)
+            } else {
+                "console=ttyS0 quiet panic=-1 rdinit=/init".into()
+            },
+            memory_mib,
+            vcpus: (cfg.limits.cpus.ceil() as u32).max(1),
+            accel: prep.accel.accel,
+            root_disk: Some("/vm/root.ext4".into()),
+            rw_disk: Some("/vm/rw.ext4".into()),
+            channel_fd: Some(CHANNEL_FD),
+        };
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args(self.vmm.args(&spec)).env_clear().current_dir("/");
+        let (con_r, con_w) = pipe().map_err(io_err("pipe"))?;
+        cmd.stdin(std::process::Stdio::null())
+            .stdout(con_w.try_clone().map_err(io_err("pipe"))?)
+            .stderr(con_w);
+        plan.apply(&mut cmd);
+        tracing::debug!(id = %cfg.id, args = ?self.vmm.args(&spec), "starting VMM");
+
+        // The VMM is started by the VM's own thread, which then serves the agent link: the
+        // parent-death signal ties the VMM's life to that thread, hence to this handle.
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let console = vm.console.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("vm-{}", cfg.id))
+            .spawn(move || vm_thread(cmd, tx, host_end, listener, con_r, console))
+            .map_err(io_err("start VM thread"))?;
+        vm.thread = Some(thread);
+        let pid = rx.recv().map_err(|_| VmError::Boot("the VM thread ended early".into()))?.map_err(io_err(format!("start {}", bin.display())))?;
+        drop(vmm_end);
+        drop(cgroup_files);
+        vm.pid = pid;
+        vm.pidfd = Some(pidfd_open(pid).map_err(io_err("pidfd_open VMM"))?);
+        vm.write_record()?;
+        vm.wait_ready(BOOT_DEADLINE)?;
+        tracing::debug!(id = %cfg.id, elapsed = ?t.elapsed(), "VM ready");
+        Ok(vm)
+    }
+}
+
+fn vm_thread(
+    mut cmd: std::process::Command,
+    tx: std::sync::mpsc::SyncSender<io::Result<i32>>,
+    host_end: std::os::unix::net::UnixStream,
+    listener: std::os::unix::net::UnixListener,
+    console_r: OwnedFd,
+    console: Arc<Mutex<VecDeque<u8>>>,
+) {
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = tx.send(Err(e));
+            return;
+        }
+    };
+    drop(cmd); // closes our copies of the console pipe's write end
+    let _ = tx.send(Ok(child.id() as i32));
+    let reader = std::thread::spawn(move || {
+        let mut f = fs::File::from(console_r);
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = f.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            if debug_console() {
+                use std::io::Write;
+                let _ = std::io::stderr().write_all(&buf[..n]);
+            }
+            let mut c = console.lock().unwrap_or_else(|p| p.into_inner());
+            c.extend(&buf[..n]);
+            let excess = c.len().saturating_sub(CONSOLE_KEEP);
+            c.drain(..excess);
+        }
+    });
+    let served = tokio::runtime::Builder::new_current_thread().enable_all().build().and_then(|rt| {
+        rt.block_on(async move {
+            host_end.set_nonblocking(true)?;
+            let link = cordon_channel::FdLink::duplex(OwnedFd::from(host_end))?;
+            let listener = tokio::net::UnixListener::from_std(listener)?;
+            cordon_channel::serve_unix(link, listener).await
+        })
+    });
+    if let Err(e) = served {
+        tracing::debug!("agent link ended: {e}");
+    }
+    // The link ends when the VMM exits (or is killed): reap it here, its parent thread.
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = reader.join();
+}
+
+/// A live VM. Dropping it kills the VMM and removes every trace.
+pub struct Vm {
+    id: String,
+    dir: PathBuf,
+    socket: PathBuf,
+    cgroup: Cgroup,
+    slot: Option<cordon_jail::Slot>,
+    _lock: fs::File,
+    pid: i32,
+    pidfd: Option<OwnedFd>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    console: Arc<Mutex<VecDeque<u8>>>,
+    accel: Accel,
+    torn_down: bool,
+}
+
+impl Vm {
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The agent's socket (host side of the multiplexed link).
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Host pid of the VMM.
+    pub fn vmm_pid(&self) -> i32 {
+        self.pid
+    }
+
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+
+    /// A pidfd of the VMM; readable once it has exited.
+    pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
+        self.pidfd.as_ref().map(|f| std::os::fd::AsFd::as_fd(f))
+    }
+
+    pub fn cgroup(&self) -> &Cgroup {
+        &self.cgroup
+    }
+
+    /// The last lines the guest and the VMM printed (for error messages).
+    pub fn console_tail(&self) -> String {
+        let c = self.console.lock().unwrap_or_else(|p| p.into_inner());
+        let text = String::from_utf8_lossy(&c.iter().copied().collect::<Vec<u8>>()).into_owned();
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        lines[lines.len().saturating_sub(5)..].join(" | ")
+    }
+
+    pub fn has_exited(&self) -> bool {
+        let Some(fd) = &self.pidfd else { return true };
+        let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, zero timeout.
+        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    }
+
+    /// Kills the VMM now (the whole guest with it).
+    pub fn kill(&self) {
+        if let Some(fd) = &self.pidfd {
+            // SAFETY: pidfd_send_signal on a pidfd we own, no siginfo.
+            unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), libc::SIGKILL, std::ptr::null::<u8>(), 0) };
+        }
+        self.cgroup.kill();
+    }
+
+    /// How many processes the guest kernel's OOM killer has killed, as the guest reports it
+    /// (`oom_kill` in its /proc/vmstat, read through the agent). 0 when the guest is gone.
+    pub fn oom_kills(&self) -> u64 {
+        if self.has_exited() {
+            return 0;
+        }
+        let socket = self.socket.clone();
+        // Its own runtime on its own thread: callable from async code and from plain threads.
+        let read = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            rt.block_on(async {
+                let client = cordon_envd::EnvdClient::new(socket);
+                let b = tokio::time::timeout(Duration::from_secs(5), client.download_file("/proc/vmstat", Some("root"))).await.ok()?.ok()?;
+                Some(parse_vmstat_oom(&String::from_utf8_lossy(&b)))
+            })
+        });
+        read.join().ok().flatten().unwrap_or(0)
+    }
+
+    /// Highest memory use of the VMM process (guest RAM it touched, plus its own), in bytes.
+    pub fn peak_memory(&self) -> u64 {
+        self.cgroup.peak_memory()
+    }
+
+    pub fn memory_current(&self) -> u64 {
+        self.cgroup.memory_current()
+    }
+
+    fn wait_ready(&self, deadline: Duration) -> Result<(), VmError> {
+        let socket = self.socket.clone();
+        let pidfd = self.pidfd.as_ref().map(|f| f.try_clone()).transpose().map_err(io_err("dup pidfd"))?;
+        let r = std::thread::spawn(move || -> Result<(), String> {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+            rt.block_on(async move {
+                let client = cordon_envd::EnvdClient::new(socket);
+                let exited = async {
+                    match pidfd {
+                        Some(fd) => {
+                            // SAFETY: the AsyncFd owns this duplicate of the pidfd outright, so it
+                            // stays open and names the same process for the AsyncFd's life.
+                            let afd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) };
+                            if let Ok(afd) = afd {
+                                let _ = afd.readable().await;
+                            }
+                        }
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    r = client.health() => r.map_err(|e| format!("the agent did not answer: {e}")),
+                    _ = exited => Err("the VMM exited".to_string()),
+                    _ = tokio::time::sleep(deadline) => Err(format!("no agent within {} s", deadline.as_secs())),
+                }
+            })
+        })
+        .join()
+        .unwrap_or_else(|_| Err("readiness check panicked".into()));
+        r.map_err(|e| {
+            let tail = self.console_tail();
+            VmError::Boot(if tail.is_empty() { e } else { format!("{e}; console: {tail}") })
+        })
+    }
+
+    fn write_record(&self) -> Result<(), VmError> {
+        let rec = Record { id: self.id.clone(), cgroup: self.cgroup.clone(), pid: (self.pid > 0).then_some(self.pid) };
+        let tmp = self.dir.join("record.json.tmp");
+        fs::write(&tmp, serde_json::to_vec(&rec).expect("record serialises")).map_err(io_err("write record"))?;
+        fs::rename(&tmp, self.dir.join("record.json")).map_err(io_err("write record"))
+    }
+
+    /// Kills the VMM and removes its cgroups, disk layer, socket and record. Idempotent.
+    pub fn destroy(&mut self) -> Result<(), VmError> {
+        if self.torn_down {
+            return Ok(());
+        }
+        self.torn_down = true;
+        self.kill();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
+        let removed = self.cgroup.remove();
+        let _ = fs::remove_dir_all(&self.dir);
+        self.slot.take();
+        if !emptied {
+            return Err(VmError::Boot(format!("the VMM of {} did not die within 5 s", self.id)));
+        }
+        removed.map_err(io_err("remove cgroups"))
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if let Err(e) = self.destroy() {
+            tracing::warn!("teardown of {}: {e}", self.id);
+        }
+    }
+}
+
+fn parse_vmstat_oom(text: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn flock_nb(f: &fs::File) -> bool {
+    // SAFETY: flock on an open descriptor.
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open with integer arguments; on success the result is a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn vmstat_oom_counter() {
+        assert_eq!(super::parse_vmstat_oom("pgfault 5\noom_kill 2\nfoo 1\n"), 2);
+        assert_eq!(super::parse_vmstat_oom("pgfault 5\n"), 0);
+    }
+}
