@@ -4,7 +4,7 @@ use crate::state::State;
 use crate::usage;
 use anyhow::{Context, Result};
 use clap::Args;
-use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, SandboxSpec, Tier};
+use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, NetworkPolicy, SandboxSpec, Tier};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -50,7 +50,21 @@ pub struct RunArgs {
     /// Allow ptrace and process_vm_* inside the sandbox (debuggers, profilers).
     #[arg(long)]
     allow_ptrace: bool,
-    /// Print a summary of the syscalls the filter denied, at exit.
+    /// Open egress to a destination (repeatable): a domain (`pypi.org`), subdomains
+    /// (`*.pythonhosted.org`), an address or CIDR (`198.51.100.0/24`), each with an optional
+    /// `:PORT` or `:LOW-HIGH`. Without any, the sandbox has loopback only.
+    #[arg(long = "allow-net", value_name = "RULE")]
+    allow_net: Vec<String>,
+    /// Close a destination that an --allow-net rule would open (repeatable, same forms; the
+    /// more specific rule wins, deny on a tie).
+    #[arg(long = "deny-net", value_name = "RULE")]
+    deny_net: Vec<String>,
+    /// DNS server the egress forwarder resolves allowed names with (default: the host's
+    /// /etc/resolv.conf).
+    #[arg(long = "dns-upstream", env = "CORDON_DNS_UPSTREAM", value_name = "IP:PORT")]
+    dns_upstream: Option<String>,
+    /// Print a summary of the syscalls the filter denied and the network attempts the egress
+    /// policy blocked, at exit.
     #[arg(long)]
     audit: bool,
     /// Print a final JSON record (exit code, reason, duration, peak memory) as the last line of stdout.
@@ -98,6 +112,9 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         timeout: parse_duration(&a.timeout).map_err(|e| bad(e, "timeout"))?,
     };
     let env = a.env.iter().map(|e| parse_env(e)).collect::<Result<Vec<_>, _>>().map_err(|e| bad(e, "env"))?;
+    let none: [&str; 0] = [];
+    NetworkPolicy::parse(&none, &a.deny_net).map_err(|e| bad(e, "deny-net"))?;
+    let network = NetworkPolicy::parse(&a.allow_net, &a.deny_net).map_err(|e| bad(e, "allow-net"))?;
     let spec = SandboxSpec {
         image: a.image.clone(),
         tier,
@@ -106,6 +123,7 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         workdir: a.workdir.clone(),
         user: a.user.clone(),
         allow_ptrace: a.allow_ptrace,
+        network,
     };
     spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
     Ok(spec)
@@ -131,6 +149,10 @@ fn parse_copy(s: &str) -> Result<Copy> {
 
 pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let spec = spec_from(&a)?;
+    let dns_upstream = match &a.dns_upstream {
+        Some(u) => Some(cordon_net::parse_upstream(u).map_err(|e| usage(format!("--dns-upstream: {e}")))?),
+        None => None,
+    };
     let copies = a.copy.iter().map(|c| parse_copy(c)).collect::<Result<Vec<_>>>()?;
     match spec.tier {
         Tier::Ns => {}
@@ -179,12 +201,34 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
             agent_env: vec![("CORDON_AGENT_CONFIG".into(), serde_json::to_string(&agent_cfg)?)],
             allow_ptrace: spec.allow_ptrace,
             audit: true,
+            tun: spec.network.is_enabled(),
+            connect_ports: landlock_ports(&spec.network),
         })
         .context("create sandbox")?;
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    // The forwarder shares the runtime with the command's stream; a second worker keeps a busy
+    // download from delaying the stream (and the other way round).
+    let rt = if spec.network.is_enabled() {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?
+    } else {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()?
+    };
+    let egress = match sandbox.take_tun() {
+        Some(tun) => {
+            let _enter = rt.enter();
+            let cfg = cordon_net::EgressConfig {
+                gateways: vec![cordon_jail::tun::GATEWAY_V4.into(), cordon_jail::tun::GATEWAY_V6.into()],
+                dns_upstream,
+                mtu: cordon_jail::tun::MTU,
+            };
+            Some(cordon_net::Egress::start(tun, spec.network.clone(), cfg).context("start the sandbox's egress forwarder")?)
+        }
+        None => None,
+    };
     let outcome = rt.block_on(drive(&sandbox, &spec, &a.command, &copies));
+    let blocked = egress.as_ref().map(|e| e.blocked()).unwrap_or_default();
+    drop(egress);
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
     let oom = sandbox.oom_kills() > 0;
     let landlock = sandbox.landlock().to_string();
@@ -228,6 +272,15 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
                 .collect();
             eprintln!("cordon: audit: denied {}", parts.join("; "));
         }
+        if spec.network.is_enabled() {
+            if blocked.is_empty() {
+                eprintln!("cordon: audit: no network attempt was blocked");
+            }
+            for b in &blocked {
+                let name = b.name.as_ref().map(|n| format!(" ({n})")).unwrap_or_default();
+                eprintln!("cordon: audit: blocked {} {}{} x{}: {}", b.proto, b.destination, name, b.count, b.reason);
+            }
+        }
     }
     if let Err(e) = teardown {
         eprintln!("cordon: warning: teardown: {e}");
@@ -242,10 +295,22 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
             "oom_killed": oom,
             "landlock": landlock,
             "denied_syscalls": denials,
+            "blocked_connections": blocked,
         });
         println!("{rec}");
     }
     Ok(code.clamp(0, 255) as u8)
+}
+
+/// Ports for Landlock's TCP connect rules: only when every allow rule names ports (see the
+/// jail's landlock module for why), and not absurdly many of them.
+fn landlock_ports(policy: &NetworkPolicy) -> Option<Vec<(u16, u16)>> {
+    if !policy.is_enabled() {
+        return None;
+    }
+    let ports = policy.allowed_ports()?;
+    let total: u32 = ports.iter().map(|(lo, hi)| u32::from(hi - lo) + 1).sum();
+    (total <= 1024).then_some(ports)
 }
 
 fn secs(d: Duration) -> String {

@@ -148,6 +148,8 @@ impl Backend for JailBackend {
             allow_ptrace: false,
             // The denied-syscall audit costs a thread per sandbox; `cordon run --audit` is the tool for it.
             audit: false,
+            tun: false,
+            connect_ports: None,
         };
         let sb = self.jail.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
         Ok(Box::new(JailInstance(sb)))
