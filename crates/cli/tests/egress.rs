@@ -291,10 +291,33 @@ fn cidr_rules_allow_addresses_and_nothing_else() {
 #[test]
 fn port_rules_limit_a_name_to_its_ports() {
     require_root!();
-    let r = net(&["allowed.test:443"], &[], &format!("{CURL} -k https://allowed.test/; echo; {CURL} http://allowed.test/; echo rc=$?"));
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(&["allowed.test:443"], &[], &format!("{CURL} -k https://allowed.test/; echo; {CURL} http://allowed.test/port-80-probe; echo rc=$?"));
     assert!(r.stdout.contains("via https"), "{r:?}");
     assert!(!r.stdout.contains("via http "), "{r:?}");
-    assert!(has_block(&r, "tcp", ":80", ""), "{:?}", blocked(&r));
+    assert!(!inet.since(&mark).contains("path=/port-80-probe"), "the plain HTTP request arrived");
+    // With Landlock's TCP rules (every allow rule names a port) the connect fails in the
+    // sandbox already; without them the forwarder refuses it.
+    if r.record["landlock"] == "full" {
+        assert!(r.stdout.contains("rc=7"), "{r:?}");
+    } else {
+        assert!(has_block(&r, "tcp", ":80", "no rule"), "{:?}", blocked(&r));
+    }
+}
+
+#[test]
+fn the_forwarder_enforces_ports_where_landlock_does_not() {
+    require_root!();
+    // The CIDR rule has no port, so Landlock's TCP rules stay off and only the forwarder decides.
+    let r = net(
+        &["allowed.test:443", "203.0.113.0/24"],
+        &[],
+        &format!("{CURL} -k https://allowed.test/; echo; {CURL} http://allowed.test/; echo rc=$?"),
+    );
+    assert!(r.stdout.contains("via https"), "{r:?}");
+    assert!(!r.stdout.contains("via http "), "{r:?}");
+    assert!(has_block(&r, "tcp", &format!("{WEB_V4}:80"), "no rule allows allowed.test:80"), "{:?}", blocked(&r));
 }
 
 #[test]
