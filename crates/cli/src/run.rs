@@ -4,7 +4,7 @@ use crate::state::State;
 use crate::usage;
 use anyhow::{Context, Result};
 use clap::Args;
-use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, SandboxSpec, Tier};
+use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, NetworkPolicy, SandboxSpec, Tier};
 use cordon_server::backend::{BackendError, CreateSpec, Instance};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -51,7 +51,21 @@ pub struct RunArgs {
     /// Allow ptrace and process_vm_* inside the sandbox (debuggers, profilers).
     #[arg(long)]
     allow_ptrace: bool,
-    /// Print a summary of the syscalls the filter denied, at exit.
+    /// Open egress to a destination (repeatable): a domain (`pypi.org`), subdomains
+    /// (`*.pythonhosted.org`), an address or CIDR (`198.51.100.0/24`), each with an optional
+    /// `:PORT` or `:LOW-HIGH`. Without any, the sandbox has loopback only.
+    #[arg(long = "allow-net", value_name = "RULE")]
+    allow_net: Vec<String>,
+    /// Close a destination that an --allow-net rule would open (repeatable, same forms; the
+    /// more specific rule wins, deny on a tie).
+    #[arg(long = "deny-net", value_name = "RULE")]
+    deny_net: Vec<String>,
+    /// DNS server the egress forwarder resolves allowed names with (default: the host's
+    /// /etc/resolv.conf).
+    #[arg(long = "dns-upstream", env = "CORDON_DNS_UPSTREAM", value_name = "IP:PORT")]
+    dns_upstream: Option<String>,
+    /// Print a summary of the syscalls the filter denied and the network attempts the egress
+    /// policy blocked, at exit.
     #[arg(long)]
     audit: bool,
     /// Print a final JSON record (exit code, reason, duration, peak memory) as the last line of stdout.
@@ -98,6 +112,9 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         nofile: a.nofile,
         timeout: parse_duration(&a.timeout).map_err(|e| bad(e, "timeout"))?,
     };
+    let none: [&str; 0] = [];
+    NetworkPolicy::parse(&none, &a.deny_net).map_err(|e| bad(e, "deny-net"))?;
+    let network = NetworkPolicy::parse(&a.allow_net, &a.deny_net).map_err(|e| bad(e, "allow-net"))?;
     let env = a.env.iter().map(|e| parse_env(e)).collect::<Result<Vec<_>, _>>().map_err(|e| bad(e, "env"))?;
     let spec = SandboxSpec {
         image: a.image.clone(),
@@ -107,6 +124,7 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         workdir: a.workdir.clone(),
         user: a.user.clone(),
         allow_ptrace: a.allow_ptrace,
+        network,
     };
     spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
     Ok(spec)
@@ -132,6 +150,10 @@ fn parse_copy(s: &str) -> Result<Copy> {
 
 pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let spec = spec_from(&a)?;
+    let dns_upstream = match &a.dns_upstream {
+        Some(u) => Some(cordon_net::parse_upstream(u).map_err(|e| usage(format!("--dns-upstream: {e}")))?),
+        None => None,
+    };
     let copies = a.copy.iter().map(|c| parse_copy(c)).collect::<Result<Vec<_>>>()?;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -142,7 +164,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     }
     cordon_jail::become_subreaper();
     // A tier the host cannot run is refused here, before any image is built; never a fallback.
-    let backend = state.backend(spec.tier)?;
+    let backend = state.backend(spec.tier, dns_upstream)?;
 
     let store = state.images()?;
     match store.get(&spec.image) {
@@ -164,15 +186,26 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     create.workdir = spec.workdir.clone();
     create.allow_ptrace = spec.allow_ptrace;
     create.audit = true;
+    create.network = spec.network.clone();
+    // The egress forwarder runs in this runtime; a second worker keeps a busy download from
+    // delaying the command's stream (and the other way round).
+    let rt = if spec.network.is_enabled() {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?
+    } else {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()?
+    };
     let started = Instant::now();
-    let mut sandbox = backend.create(&create).map_err(|e| match e {
-        BackendError::Unavailable(m) | BackendError::BadRequest(m) | BackendError::UnknownTemplate(m) => usage(m),
-        BackendError::Failed(m) => anyhow::anyhow!("create sandbox: {m}"),
-    })?;
+    let mut sandbox = {
+        let _enter = rt.enter();
+        backend.create(&create).map_err(|e| match e {
+            BackendError::Unavailable(m) | BackendError::BadRequest(m) | BackendError::UnknownTemplate(m) => usage(m),
+            BackendError::Failed(m) => anyhow::anyhow!("create sandbox: {m}"),
+        })?
+    };
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let outcome = rt.block_on(drive(sandbox.as_ref(), &spec, &a.command, &copies));
+    let blocked = sandbox.blocked();
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
     // A VM's count comes from its guest, a round trip through the agent: asked only when the
     // command was killed.
@@ -220,6 +253,15 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
                 .collect();
             eprintln!("cordon: audit: denied {}", parts.join("; "));
         }
+        if spec.network.is_enabled() {
+            if blocked.is_empty() {
+                eprintln!("cordon: audit: no network attempt was blocked");
+            }
+            for b in &blocked {
+                let name = b.name.as_ref().map(|n| format!(" ({n})")).unwrap_or_default();
+                eprintln!("cordon: audit: blocked {} {}{} x{}: {}", b.proto, b.destination, name, b.count, b.reason);
+            }
+        }
     }
     if let Err(e) = teardown {
         eprintln!("cordon: warning: teardown: {e}");
@@ -235,6 +277,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
             "oom_killed": oom,
             "landlock": landlock,
             "denied_syscalls": denials,
+            "blocked_connections": blocked,
         });
         println!("{rec}");
     }

@@ -39,15 +39,25 @@ impl State {
     }
 
     /// The backend of `tier`, or a one-line usage error saying why this host cannot run it.
-    pub fn backend(&self, tier: cordon_spec::Tier) -> Result<std::sync::Arc<dyn cordon_server::backend::Backend>> {
+    pub fn backend(
+        &self,
+        tier: cordon_spec::Tier,
+        dns_upstream: Option<std::net::SocketAddr>,
+    ) -> Result<std::sync::Arc<dyn cordon_server::backend::Backend>> {
         self.ensure()?;
-        cordon_server::backend::Tiers::open(&self.host(None), tier).map_err(|e| crate::usage(e.to_string()))
+        let host = cordon_server::backend::Host { dns_upstream, ..self.host(None) };
+        cordon_server::backend::Tiers::open(&host, tier).map_err(|e| crate::usage(e.to_string()))
     }
 
     /// What the backends need to know about this host.
     pub fn host(&self, envd_version: Option<String>) -> cordon_server::backend::Host {
         // /proc/self/exe stays valid even if the binary on disk is replaced while we run.
-        cordon_server::backend::Host { state_dir: self.dir.clone(), exe: PathBuf::from("/proc/self/exe"), envd_version }
+        cordon_server::backend::Host {
+            state_dir: self.dir.clone(),
+            exe: PathBuf::from("/proc/self/exe"),
+            envd_version,
+            dns_upstream: None,
+        }
     }
 
     /// The vm tier; fails with the reason when the host cannot run it (no QEMU, no cgroups).

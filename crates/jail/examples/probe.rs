@@ -29,6 +29,8 @@ fn main() {
             agent_env: vec![("SCRIPT".into(), script)],
             allow_ptrace: false,
             audit: false,
+            tun: false,
+            connect_ports: None,
         })
         .unwrap();
     eprintln!("created in {:?}, pid {}, uid base {}", t.elapsed(), sb.host_pid(), sb.uid_base());

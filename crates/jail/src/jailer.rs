@@ -6,7 +6,8 @@
 //!
 //! 1. join the sandbox's cgroups (everything forked later inherits them);
 //! 2. create the network namespace, owned by the host's user namespace so that nothing inside
-//!    ever holds CAP_NET_ADMIN over it, and bring loopback up;
+//!    ever holds CAP_NET_ADMIN over it, and bring loopback up; with an egress policy, also the
+//!    TUN device whose descriptor the host takes (see `tun`);
 //! 3. bind the agent's socket on the host side;
 //! 4. clone the sandbox init into new user, mount, pid, ipc, uts and cgroup namespaces;
 //! 5. write its uid/gid maps, clone the image as an idmapped read-only tree through that user
@@ -46,6 +47,12 @@ pub struct JailerConfig {
     /// Whether denied syscalls go to a host-side audit listener (see `audit`).
     #[serde(default)]
     pub audit: bool,
+    /// Give the sandbox a TUN interface whose far end the host holds (egress policy set).
+    #[serde(default)]
+    pub tun: bool,
+    /// TCP ports Landlock allows connecting to; `None`: TCP not handled by Landlock.
+    #[serde(default)]
+    pub connect_ports: Option<Vec<(u16, u16)>>,
 }
 
 /// The jailer's one line of output.
@@ -54,24 +61,33 @@ pub struct JailerConfig {
 pub enum JailerReply {
     /// `phases`: microseconds since the jailer started at the end of each step, for tracing.
     /// `notify_fd`: the jailer's fd number of the seccomp listener, which the host takes with
-    /// pidfd_getfd before letting the jailer exit.
-    Ready { pid: i32, phases: Vec<(String, u64)>, landlock: String, notify_fd: Option<i32> },
+    /// pidfd_getfd before letting the jailer exit; `tun_fd` likewise for the TUN device.
+    Ready {
+        pid: i32,
+        phases: Vec<(String, u64)>,
+        landlock: String,
+        notify_fd: Option<i32>,
+        #[serde(default)]
+        tun_fd: Option<i32>,
+    },
     Failed { error: String },
 }
 
 /// Entry point of `cordon __jail`. Never returns.
 pub fn main() -> ! {
     let mut input = String::new();
-    let mut keep = None;
+    let mut keep = Vec::new();
     let reply = match io::stdin().read_line(&mut input) {
         Err(e) => JailerReply::Failed { error: format!("reading jailer config: {e}") },
         Ok(_) => match serde_json::from_str::<JailerConfig>(&input) {
             Err(e) => JailerReply::Failed { error: format!("bad jailer config: {e}") },
             Ok(cfg) => match run(&cfg) {
-                Ok((pid, phases, landlock, listener)) => {
+                Ok(Ready { pid, phases, landlock, listener, tun }) => {
                     let notify_fd = listener.as_ref().map(|l| l.as_raw_fd());
-                    keep = listener;
-                    JailerReply::Ready { pid, phases, landlock, notify_fd }
+                    let tun_fd = tun.as_ref().map(|t| t.as_raw_fd());
+                    keep.extend(listener);
+                    keep.extend(tun);
+                    JailerReply::Ready { pid, phases, landlock, notify_fd, tun_fd }
                 }
                 Err(e) => JailerReply::Failed { error: e.to_string() },
             },
@@ -82,15 +98,21 @@ pub fn main() -> ! {
     let _ = serde_json::to_writer(&mut out, &reply);
     let _ = out.write_all(b"\n");
     let _ = out.flush();
-    if keep.is_some() {
-        // The host takes the listener from us; EOF on stdin says it has.
+    if !keep.is_empty() {
+        // The host takes the listener and the TUN from us; EOF on stdin says it has.
         let _ = io::stdin().read_to_end(&mut Vec::new());
     }
     drop(keep);
     std::process::exit(if ok { 0 } else { 1 })
 }
 
-type Ready = (i32, Vec<(String, u64)>, String, Option<OwnedFd>);
+struct Ready {
+    pid: i32,
+    phases: Vec<(String, u64)>,
+    landlock: String,
+    listener: Option<OwnedFd>,
+    tun: Option<OwnedFd>,
+}
 
 fn run(cfg: &JailerConfig) -> io::Result<Ready> {
     let t0 = std::time::Instant::now();
@@ -103,6 +125,8 @@ fn run(cfg: &JailerConfig) -> io::Result<Ready> {
     mark("cgroups joined");
     sys::unshare(libc::CLONE_NEWNET)?;
     sys::loopback_up()?;
+    // Close-on-exec: the init inherits it across the clone but drops it at its exec.
+    let tun = if cfg.tun { Some(crate::tun::create()?) } else { None };
     mark("netns ready");
 
     let _ = fs::remove_file(&cfg.socket);
@@ -132,7 +156,7 @@ fn run(cfg: &JailerConfig) -> io::Result<Ready> {
     match hand_over(cfg, pid, &parent_end) {
         Ok((landlock, listener)) => {
             mark("agent exec'd");
-            Ok((pid, phases, landlock, listener))
+            Ok(Ready { pid, phases, landlock, listener, tun })
         }
         Err(e) => {
             // SAFETY: pid is our own child, just created.
@@ -216,6 +240,7 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
         image,
         disk_bytes: cfg.disk_bytes,
         hostname: &cfg.id,
+        nameservers: cfg.tun,
     })?;
 
     sys::setrlimit(libc::RLIMIT_NOFILE, cfg.nofile, cfg.nofile)?;
@@ -232,7 +257,7 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     // The three filters, in the order that keeps each step permitted by the ones before it.
     // SAFETY: `exe` is an fd this process owns until exec.
     let exe_fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(exe) };
-    let landlock = crate::landlock::apply(exe_fd)?;
+    let landlock = crate::landlock::apply(exe_fd, cfg.connect_ports.as_deref())?;
     crate::caps::drop_bounding()?;
     // From here on a denied syscall waits for the audit listener's holder, so nothing below
     // may make one: sendmsg, write and execveat are all allowed.
@@ -251,9 +276,16 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     Err(sys::execveat_fd(exe, &argv, &envp))
 }
 
+/// What the host takes from the jailer before it exits.
+#[derive(Default)]
+pub(crate) struct Taken {
+    pub listener: Option<OwnedFd>,
+    pub tun: Option<OwnedFd>,
+}
+
 /// Runs a jailer as a child of the current process and waits for its reply; takes the seccomp
-/// listener from it when there is one.
-pub(crate) fn spawn(exe: &std::path::Path, cfg: &JailerConfig) -> io::Result<(JailerReply, Option<OwnedFd>)> {
+/// listener and the TUN from it when there are some.
+pub(crate) fn spawn(exe: &std::path::Path, cfg: &JailerConfig) -> io::Result<(JailerReply, Taken)> {
     use std::io::BufRead;
     use std::process::{Command, Stdio};
     let mut child = Command::new(exe)
@@ -271,20 +303,27 @@ pub(crate) fn spawn(exe: &std::path::Path, cfg: &JailerConfig) -> io::Result<(Ja
     let mut line = String::new();
     io::BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
     let reply = serde_json::from_str::<JailerReply>(line.trim());
-    let mut listener = None;
-    if let Ok(JailerReply::Ready { notify_fd: Some(fd), .. }) = &reply {
-        let pidfd = sys::pidfd_open(child.id() as i32)?;
-        listener = Some(sys::pidfd_getfd(&pidfd, *fd)?);
+    let mut taken = Taken::default();
+    if let Ok(JailerReply::Ready { notify_fd, tun_fd, .. }) = &reply {
+        if notify_fd.is_some() || tun_fd.is_some() {
+            let pidfd = sys::pidfd_open(child.id() as i32)?;
+            if let Some(fd) = notify_fd {
+                taken.listener = Some(sys::pidfd_getfd(&pidfd, *fd)?);
+            }
+            if let Some(fd) = tun_fd {
+                taken.tun = Some(sys::pidfd_getfd(&pidfd, *fd)?);
+            }
+        }
     }
     drop(stdin);
     let mut err = String::new();
     let _ = child.stderr.take().expect("piped").read_to_string(&mut err);
     let status = child.wait()?;
     match reply {
-        Ok(r) => Ok((r, listener)),
+        Ok(r) => Ok((r, taken)),
         Err(_) => Ok((
             JailerReply::Failed { error: format!("jailer exited with {status} without a reply: {}", err.trim()) },
-            None,
+            Taken::default(),
         )),
     }
 }

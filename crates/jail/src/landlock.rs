@@ -2,9 +2,18 @@
 //! under the mount namespace: file access only beneath the sandbox's own root (plus executing
 //! the agent binary, which lives outside it), abstract Unix sockets and signals scoped to the
 //! sandbox. The result is reported, never assumed.
+//!
+//! TCP (ABI 4 and later): Landlock's network rules name ports only, never addresses, so a rule
+//! set that confines outbound connections also confines connections to the sandbox's own
+//! loopback. It is therefore applied only when the egress policy itself is limited to ports
+//! (every allow rule names a port): then `connect` is allowed to those ports and to 53 (DNS
+//! over TCP to the gateway), and nothing else, loopback included. `bind` is never handled, so
+//! servers inside keep working; UDP is outside Landlock's reach (the netns and the forwarder
+//! cover it). Without a policy, or with one that allows any port, the netns and the forwarder
+//! are the only network controls.
 
 use landlock::{
-    Access, AccessFs, CompatLevel, Compatible, PathBeneath, PathFd, RestrictionStatus, Ruleset, RulesetAttr,
+    Access, AccessFs, AccessNet, CompatLevel, NetPort, Compatible, PathBeneath, PathFd, RestrictionStatus, Ruleset, RulesetAttr,
     RulesetCreatedAttr, RulesetStatus, Scope, ABI,
 };
 use std::io;
@@ -20,17 +29,27 @@ pub enum Enforced {
 
 /// Restricts the calling process (and everything it will exec) to the current root. `agent`
 /// is the agent binary, kept executable although it lies outside that root.
-pub fn apply(agent: BorrowedFd<'_>) -> io::Result<Enforced> {
+/// `connect_ports`: when set, the only TCP ports `connect` may reach (inclusive ranges).
+pub fn apply(agent: BorrowedFd<'_>, connect_ports: Option<&[(u16, u16)]>) -> io::Result<Enforced> {
     let abi = ABI::V6;
     let err = |e: landlock::RulesetError| io::Error::other(format!("landlock: {e}"));
-    let status: RestrictionStatus = Ruleset::default()
+    let mut ruleset = Ruleset::default()
         .set_compatibility(CompatLevel::BestEffort)
         .handle_access(AccessFs::from_all(abi))
-        .map_err(err)?
-        .scope(Scope::from_all(abi))
-        .map_err(err)?
-        .create()
-        .map_err(err)?
+        .map_err(err)?;
+    if connect_ports.is_some() {
+        ruleset = ruleset.handle_access(AccessNet::ConnectTcp).map_err(err)?;
+    }
+    let mut created = ruleset.scope(Scope::from_all(abi)).map_err(err)?.create().map_err(err)?;
+    if let Some(ranges) = connect_ports {
+        let dns = [(53u16, 53u16)];
+        for &(lo, hi) in ranges.iter().chain(dns.iter()) {
+            for port in lo..=hi {
+                created = created.add_rule(NetPort::new(port, AccessNet::ConnectTcp)).map_err(err)?;
+            }
+        }
+    }
+    let status: RestrictionStatus = created
         .add_rule(PathBeneath::new(PathFd::new("/").map_err(|e| io::Error::other(format!("landlock: {e}")))?, AccessFs::from_all(abi)))
         .map_err(err)?
         .add_rule(PathBeneath::new(agent, AccessFs::Execute | AccessFs::ReadFile))

@@ -16,6 +16,7 @@ mod rootfs;
 mod seccomp;
 mod slots;
 mod sys;
+pub mod tun;
 
 pub use cgroup::{Cgroup, Layout};
 pub use slots::{Slot, Slots};
@@ -68,6 +69,12 @@ pub struct SandboxConfig {
     pub allow_ptrace: bool,
     /// Record every denied syscall (see [`audit`]).
     pub audit: bool,
+    /// Egress: a TUN interface whose descriptor the caller takes with [`Sandbox::take_tun`]
+    /// and serves (see [`tun`]); without it the sandbox has loopback only.
+    pub tun: bool,
+    /// TCP ports Landlock lets the sandbox connect to, as a second layer under the netns;
+    /// `None` leaves TCP to the netns alone (see `landlock`).
+    pub connect_ports: Option<Vec<(u16, u16)>>,
 }
 
 /// What is on disk about a sandbox, enough to reap it after a crash.
@@ -166,6 +173,7 @@ impl Jail {
             torn_down: false,
             landlock: String::new(),
             audit: None,
+            tun: None,
         };
         // From here on, dropping `sb` on any error undoes every step taken so far.
         let slot = self.slots.acquire().ok_or(JailError::NoSlot(self.slots.capacity()))?;
@@ -190,9 +198,12 @@ impl Jail {
             agent_env: cfg.agent_env.clone(),
             allow_ptrace: cfg.allow_ptrace,
             audit: cfg.audit,
+            tun: cfg.tun,
+            connect_ports: cfg.connect_ports.clone(),
         };
-        let (reply, listener) = jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))?;
-        if let Some(l) = listener {
+        let (reply, taken) = jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))?;
+        sb.tun = taken.tun;
+        if let Some(l) = taken.listener {
             sb.audit = Some(audit::supervise(l, &cfg.id).map_err(io_err("start audit thread"))?);
         }
         match reply {
@@ -222,9 +233,15 @@ pub struct Sandbox {
     torn_down: bool,
     landlock: String,
     audit: Option<audit::Trail>,
+    tun: Option<OwnedFd>,
 }
 
 impl Sandbox {
+    /// The host end of the sandbox's TUN interface, once; `None` without an egress policy.
+    pub fn take_tun(&mut self) -> Option<OwnedFd> {
+        self.tun.take()
+    }
+
     /// The syscalls the filter denied so far, when the sandbox was created with `audit`.
     pub fn denials(&self) -> Vec<audit::Denial> {
         self.audit.as_ref().map(|a| a.denials()).unwrap_or_default()

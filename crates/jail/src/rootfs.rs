@@ -21,6 +21,8 @@ pub struct RootPlan<'a> {
     /// Size of the writable layer, which is also the size of `/tmp`.
     pub disk_bytes: u64,
     pub hostname: &'a str,
+    /// Point the sandbox's resolver at the egress gateway (it has a TUN interface).
+    pub nameservers: bool,
 }
 
 /// Device nodes bound in from the host's `/dev`: the harmless set every container runtime
@@ -102,6 +104,9 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
     sys::sethostname(plan.hostname)?;
     sys::pivot_to_cwd()?;
     name_host(plan.hostname);
+    if plan.nameservers {
+        point_resolver_at_gateway()?;
+    }
     Ok(())
 }
 
@@ -152,4 +157,16 @@ fn name_host(hostname: &str) {
     if let Ok(mut f) = fs::OpenOptions::new().append(true).open("/etc/hosts") {
         let _ = writeln!(f, "127.0.1.1\t{hostname}");
     }
+}
+
+/// Replaces the image's /etc/resolv.conf (in the writable layer) with the gateway, where the
+/// forwarder answers. A symlink (systemd-resolved images) is replaced, not followed.
+fn point_resolver_at_gateway() -> io::Result<()> {
+    let path = Path::new("/etc/resolv.conf");
+    let _ = fs::remove_file(path);
+    fs::write(
+        path,
+        format!("nameserver {}\nnameserver {}\noptions timeout:2 attempts:2\n", crate::tun::GATEWAY_V4, crate::tun::GATEWAY_V6),
+    )
+    .map_err(|e| io::Error::new(e.kind(), format!("write /etc/resolv.conf: {e}")))
 }

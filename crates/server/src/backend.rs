@@ -11,9 +11,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cordon_spec::{Limits, Tier};
+use cordon_spec::{Limits, NetworkPolicy, Tier};
 
 pub use cordon_jail::audit::Denial;
+pub use cordon_net::Blocked;
 
 /// What a sandbox is created with, checked by the front end that asks.
 #[derive(Debug, Clone)]
@@ -33,6 +34,8 @@ pub struct CreateSpec {
     pub allow_ptrace: bool,
     /// Record the syscalls the filter denies (see [`Instance::denials`]); costs a thread.
     pub audit: bool,
+    /// Egress allowlist; the default (empty) policy means loopback only, no interface at all.
+    pub network: NetworkPolicy,
 }
 
 impl CreateSpec {
@@ -48,6 +51,7 @@ impl CreateSpec {
             workdir: None,
             allow_ptrace: false,
             audit: false,
+            network: NetworkPolicy::default(),
         }
     }
 }
@@ -104,6 +108,14 @@ pub trait Instance: Send {
     fn denials(&self) -> Vec<Denial> {
         Vec::new()
     }
+    /// The network attempts the egress policy blocked (destination, name, reason, count).
+    fn blocked(&self) -> Vec<Blocked> {
+        Vec::new()
+    }
+    /// Replaces the egress policy of a running sandbox; it applies to new connections.
+    fn set_network(&self, _policy: NetworkPolicy) -> Result<(), String> {
+        Err("this sandbox was created without a network policy, or its tier cannot change one".into())
+    }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), String>;
 }
@@ -155,6 +167,8 @@ pub struct Host {
     pub exe: PathBuf,
     /// The envd version the agent reports (`None`: the agent's own default).
     pub envd_version: Option<String>,
+    /// Where the egress forwarder resolves allowed names (`None`: the host's resolv.conf).
+    pub dns_upstream: Option<std::net::SocketAddr>,
 }
 
 /// Every tier, each opened on first use, dispatching on [`CreateSpec::tier`]. A tier the host
@@ -188,7 +202,7 @@ impl Tiers {
             Tier::Ns => {
                 let jail = cordon_jail::Jail::open(&host.state_dir, host.exe.clone())
                     .map_err(|e| BackendError::Unavailable(e.to_string()))?;
-                Ok(JailBackend::new(jail, store, host.envd_version.clone()))
+                Ok(JailBackend::new(jail, store, host.envd_version.clone(), host.dns_upstream))
             }
             Tier::Gvisor => {
                 let gv = cordon_gvisor::Gvisor::open(&host.state_dir, &host.exe)
@@ -215,16 +229,22 @@ pub struct JailBackend {
     jail: cordon_jail::Jail,
     store: cordon_image::Store,
     envd_version: Option<String>,
+    dns_upstream: Option<std::net::SocketAddr>,
 }
 
 impl JailBackend {
     /// `jail` must come from `Jail::open`, which has already reaped what a crashed cordon left.
-    pub fn new(jail: cordon_jail::Jail, store: cordon_image::Store, envd_version: Option<String>) -> Arc<JailBackend> {
-        Arc::new(JailBackend { jail, store, envd_version })
+    pub fn new(
+        jail: cordon_jail::Jail,
+        store: cordon_image::Store,
+        envd_version: Option<String>,
+        dns_upstream: Option<std::net::SocketAddr>,
+    ) -> Arc<JailBackend> {
+        Arc::new(JailBackend { jail, store, envd_version, dns_upstream })
     }
 }
 
-struct JailInstance(cordon_jail::Sandbox);
+struct JailInstance(cordon_jail::Sandbox, Option<cordon_net::Egress>);
 
 impl Instance for JailInstance {
     fn socket_path(&self) -> &Path {
@@ -267,9 +287,47 @@ impl Instance for JailInstance {
         self.0.denials()
     }
 
+    fn blocked(&self) -> Vec<Blocked> {
+        self.1.as_ref().map(|e| e.blocked()).unwrap_or_default()
+    }
+
+    fn set_network(&self, policy: NetworkPolicy) -> Result<(), String> {
+        match &self.1 {
+            Some(e) => {
+                e.update_policy(policy);
+                Ok(())
+            }
+            None => Err("this sandbox was created without network access; create it with a policy to change one".into()),
+        }
+    }
+
     fn destroy(&mut self) -> Result<(), String> {
+        // The forwarder goes first: nothing is dialled for a sandbox being torn down.
+        self.1.take();
         self.0.destroy().map_err(|e| e.to_string())
     }
+}
+
+/// Ports for Landlock's TCP connect rules: only when every allow rule names ports (see the
+/// jail's landlock module for why), and not absurdly many of them.
+fn landlock_ports(policy: &NetworkPolicy) -> Option<Vec<(u16, u16)>> {
+    if !policy.is_enabled() {
+        return None;
+    }
+    let ports = policy.allowed_ports()?;
+    let total: u32 = ports.iter().map(|(lo, hi)| u32::from(hi - lo) + 1).sum();
+    (total <= 1024).then_some(ports)
+}
+
+/// Tiers without the egress forwarder refuse a policy rather than run with less than was asked.
+fn refuse_network(spec: &CreateSpec) -> Result<(), BackendError> {
+    if spec.network.is_enabled() {
+        return Err(BackendError::BadRequest(format!(
+            "network allowlists are enforced on the ns tier only so far; the {} tier runs with no network: drop the network rules or use the ns tier",
+            spec.tier
+        )));
+    }
+    Ok(())
 }
 
 impl Backend for JailBackend {
@@ -287,9 +345,28 @@ impl Backend for JailBackend {
             )],
             allow_ptrace: spec.allow_ptrace,
             audit: spec.audit,
+            tun: spec.network.is_enabled(),
+            connect_ports: landlock_ports(&spec.network),
         };
-        let sb = self.jail.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
-        Ok(Box::new(JailInstance(sb)))
+        let mut sb = self.jail.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
+        let egress = match sb.take_tun() {
+            Some(tun) => {
+                // The forwarder runs on the caller's runtime: the server's, or `run`'s.
+                if tokio::runtime::Handle::try_current().is_err() {
+                    return Err(BackendError::Failed("the egress forwarder needs a tokio runtime".into()));
+                }
+                let cfg = cordon_net::EgressConfig {
+                    gateways: vec![cordon_jail::tun::GATEWAY_V4.into(), cordon_jail::tun::GATEWAY_V6.into()],
+                    dns_upstream: self.dns_upstream,
+                    mtu: cordon_jail::tun::MTU,
+                };
+                let e = cordon_net::Egress::start(tun, spec.network.clone(), cfg)
+                    .map_err(|e| BackendError::Failed(format!("start the sandbox's egress forwarder: {e}")))?;
+                Some(e)
+            }
+            None => None,
+        };
+        Ok(Box::new(JailInstance(sb, egress)))
     }
 }
 
@@ -349,6 +426,7 @@ impl Instance for GvisorInstance {
 
 impl Backend for GvisorBackend {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
+        refuse_network(spec)?;
         let image = image_of(&self.store, &spec.template)?;
         spec.limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
         if spec.allow_ptrace {
@@ -422,6 +500,7 @@ impl Instance for VmInstance {
 
 impl Backend for VmBackend {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
+        refuse_network(spec)?;
         let image = image_of(&self.store, &spec.template)?;
         spec.limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
         let vm_err = |e: cordon_vm::VmError| match e {

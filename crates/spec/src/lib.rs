@@ -5,9 +5,11 @@
 //! Nothing here does I/O, so the rules are the same everywhere and testable without root.
 
 mod limits;
+mod network;
 mod parse;
 
 pub use limits::{Limits, DEFAULT_CPUS, DEFAULT_DISK, DEFAULT_MEMORY, DEFAULT_NOFILE, DEFAULT_PIDS, DEFAULT_TIMEOUT};
+pub use network::{canonical, normalize_name, Cidr, NetRule, NetworkPolicy, Target, Verdict};
 pub use parse::{parse_duration, parse_size, format_size};
 
 use serde::{Deserialize, Serialize};
@@ -92,6 +94,9 @@ pub struct SandboxSpec {
     /// Allow ptrace and process_vm_* inside (debuggers, profilers). Off by default.
     #[serde(default)]
     pub allow_ptrace: bool,
+    /// Egress allowlist; empty (the default) means loopback only.
+    #[serde(default)]
+    pub network: NetworkPolicy,
 }
 
 fn default_user() -> String {
@@ -108,6 +113,7 @@ impl Default for SandboxSpec {
             workdir: None,
             user: default_user(),
             allow_ptrace: false,
+            network: NetworkPolicy::default(),
         }
     }
 }

@@ -1,0 +1,514 @@
+//! Egress: real sandboxes (`cordon run`) against a test internet the test builds in a network
+//! namespace (testnet.rs: HTTP, HTTPS, DNS, a UDP sink and a capture on TEST-NET addresses).
+//! Each case attacks or uses the network from inside and checks what arrived on the other side
+//! (the servers' log) as well as what the sandbox saw and what the audit recorded.
+
+mod common;
+#[path = "egress/testnet.rs"]
+mod testnet;
+
+use common::*;
+use serde_json::Value;
+use std::time::Duration;
+use testnet::*;
+
+/// `cordon run` with the test internet's DNS as upstream, the given rules, and a bash script.
+fn net(allow: &[&str], deny: &[&str], script: &str) -> Run {
+    internet();
+    let _shared = QUIET.read().unwrap_or_else(|e| e.into_inner());
+    let mut flags = vec!["--dns-upstream", DNS, "--timeout", "60s"];
+    for a in allow {
+        flags.extend(["--allow-net", a]);
+    }
+    for d in deny {
+        flags.extend(["--deny-net", d]);
+    }
+    sh(&flags, script)
+}
+
+fn blocked(r: &Run) -> Vec<Value> {
+    r.record["blocked_connections"].as_array().cloned().unwrap_or_default()
+}
+
+/// Whether the audit holds a blocked attempt of `proto` whose destination, name and reason
+/// contain the given parts.
+fn has_block(r: &Run, proto: &str, dest: &str, reason: &str) -> bool {
+    blocked(r).iter().any(|b| {
+        b["proto"] == proto
+            && b["destination"].as_str().unwrap_or("").contains(dest)
+            && b["reason"].as_str().unwrap_or("").contains(reason)
+    })
+}
+
+/// IPv4 unless a test says otherwise: the test names have IPv6 addresses too.
+const CURL: &str = "curl -4 -sS --max-time 8";
+const CURL6: &str = "curl -6 -sS --max-time 8";
+
+// A DNS query for NAME, type A, sent by python straight to SERVER; prints the rcode or "timeout".
+const PY_DNS: &str = r#"
+import socket, struct, sys
+name, server, proto = sys.argv[1], sys.argv[2], sys.argv[3]
+q = struct.pack('!HHHHHH', 0x1234, 0x0100, 1, 0, 0, 0)
+q += b''.join(bytes([len(l)]) + l.encode() for l in name.split('.')) + b'\0' + struct.pack('!HH', 1, 1)
+try:
+    if proto == 'udp':
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(3)
+        s.sendto(q, (server, 53)); a = s.recv(4096)
+    else:
+        s = socket.create_connection((server, 53), timeout=3)
+        s.sendall(struct.pack('!H', len(q)) + q); n = struct.unpack('!H', s.recv(2))[0]; a = s.recv(n)
+    print('rcode', a[3] & 15, 'answers', struct.unpack('!H', a[6:8])[0])
+except Exception as e:
+    print('failed', type(e).__name__)
+"#;
+
+fn py_dns(name: &str, server: &str, proto: &str) -> String {
+    format!("python3 -c \"$(cat <<'EOF'\n{PY_DNS}\nEOF\n)\" {name} {server} {proto}")
+}
+
+#[test]
+fn no_policy_means_no_interface_and_not_one_packet_out() {
+    require_root!();
+    let inet = internet();
+    let _alone = QUIET.write().unwrap_or_else(|e| e.into_inner());
+    std::thread::sleep(Duration::from_millis(300));
+    let before = inet.packets_in();
+    let mark = inet.mark();
+    inet.capture(true);
+    let r = sh(
+        &["--dns-upstream", DNS],
+        &format!(
+            "grep -c : /proc/net/dev; grep -v Iface /proc/net/route | wc -l; cat /etc/resolv.conf 2>/dev/null | grep -c 10.0.2.1;\
+             {CURL} http://{WEB_V4}/ ; echo curl=$?; {CURL} http://allowed.test/; echo name=$?;\
+             python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.sendto(b'x', ('{WEB_V4}', 9999))\"; echo udp=$?"
+        ),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    inet.capture(false);
+    let after = inet.packets_in();
+    let seen = inet.since(&mark);
+    assert_eq!(r.code, 0, "{r:?}");
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines[0], "1", "only loopback should exist: {r:?}");
+    assert_eq!(lines[1], "0", "no route should exist: {r:?}");
+    assert_eq!(lines[2], "0", "no gateway resolver without a policy: {r:?}");
+    assert!(r.stdout.contains("curl=7"), "raw connect must fail at once (unreachable): {r:?}");
+    assert!(r.stdout.contains("name=6"), "no name resolves: {r:?}");
+    assert!(r.stdout.contains("udp=1"), "UDP send must fail (network unreachable): {r:?}");
+    assert!(!seen.contains("pkt "), "a packet reached the test internet: {seen}");
+    assert_eq!(after, before, "the host sent packets into the test internet");
+    assert!(blocked(&r).is_empty());
+    assert_clean(r.id());
+}
+
+#[test]
+fn allowed_domain_over_http_with_curl() {
+    require_root!();
+    let r = net(&["allowed.test"], &[], &format!("env | grep -ci proxy; {CURL} http://allowed.test/"));
+    assert!(r.stdout.starts_with("0\n"), "no proxy variables: {r:?}");
+    assert!(r.stdout.contains(&format!("reached {WEB_V4} via http host=allowed.test")), "{r:?}");
+    assert_clean(r.id());
+}
+
+#[test]
+fn allowed_domain_over_https_with_curl() {
+    require_root!();
+    let r = net(&["allowed.test"], &[], &format!("{CURL} -k https://allowed.test/"));
+    assert!(r.stdout.contains(&format!("reached {WEB_V4} via https host=allowed.test")), "{r:?}");
+}
+
+#[test]
+fn allowed_domain_with_python_urllib_http_and_https() {
+    require_root!();
+    let r = net(
+        &["allowed.test"],
+        &[],
+        "python3 -c \"import ssl, urllib.request as u; c=ssl._create_unverified_context();\
+         print(u.urlopen('http://allowed.test/', timeout=8).read().decode().strip());\
+         print(u.urlopen('https://allowed.test/', timeout=8, context=c).read().decode().strip())\"",
+    );
+    assert!(r.stdout.contains("via http host=allowed.test"), "{r:?}");
+    assert!(r.stdout.contains("via https host=allowed.test"), "{r:?}");
+}
+
+#[test]
+fn unlisted_domain_fails_and_is_audited() {
+    require_root!();
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(&["allowed.test"], &[], &format!("{CURL} http://other.test/; echo rc=$?"));
+    assert!(r.stdout.contains("rc=6"), "other.test must not resolve: {r:?}");
+    assert!(has_block(&r, "dns", "10.0.2.1:53", "no rule allows"), "{:?}", blocked(&r));
+    assert!(blocked(&r).iter().any(|b| b["name"] == "other.test"), "{:?}", blocked(&r));
+    let seen = inet.since(&mark);
+    assert!(!seen.contains("dns other.test"), "the unlisted name was asked upstream: {seen}");
+    assert!(!seen.contains(OTHER_V4), "{seen}");
+}
+
+#[test]
+fn dns_for_unlisted_names_is_nxdomain_over_udp_and_tcp() {
+    require_root!();
+    let r = net(
+        &["allowed.test"],
+        &[],
+        &format!(
+            "{}; {}; {}",
+            py_dns("other.test", "10.0.2.1", "udp"),
+            py_dns("other.test", "10.0.2.1", "tcp"),
+            py_dns("allowed.test", "10.0.2.1", "tcp")
+        ),
+    );
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines, ["rcode 3 answers 0", "rcode 3 answers 0", "rcode 0 answers 1"], "{r:?}");
+}
+
+#[test]
+fn query_straight_to_another_resolver_fails() {
+    require_root!();
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(&["allowed.test"], &[], &format!("{}; {}", py_dns("exfil.test", WEB_V4, "udp"), py_dns("exfil2.test", WEB_V4, "tcp")));
+    assert_eq!(r.stdout.lines().count(), 2, "{r:?}");
+    assert!(r.stdout.lines().all(|l| l.starts_with("failed")), "a direct query got an answer: {r:?}");
+    assert!(has_block(&r, "udp", &format!("{WEB_V4}:53"), "UDP goes only"), "{:?}", blocked(&r));
+    assert!(has_block(&r, "tcp", &format!("{WEB_V4}:53"), "no rule allows"), "{:?}", blocked(&r));
+    let seen = inet.since(&mark);
+    assert!(!seen.contains("exfil"), "the query reached the resolver: {seen}");
+}
+
+#[test]
+fn wildcard_matches_subdomains_not_the_apex() {
+    require_root!();
+    let r = net(&["*.wild.test"], &[], &format!("{CURL} http://a.wild.test/; echo; {CURL} http://wild.test/; echo rc=$?"));
+    assert!(r.stdout.contains("host=a.wild.test"), "{r:?}");
+    assert!(r.stdout.contains("rc=6"), "the apex must not resolve: {r:?}");
+}
+
+#[test]
+fn names_match_case_insensitively() {
+    require_root!();
+    let r = net(&["ALLOWED.Test"], &[], &format!("{CURL} http://Allowed.TEST/"));
+    assert!(r.stdout.contains(&format!("reached {WEB_V4}")), "{r:?}");
+}
+
+#[test]
+fn raw_ip_connect_to_an_unlisted_address_fails() {
+    require_root!();
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(&["allowed.test"], &[], &format!("{CURL} http://{OTHER_V4}/; echo rc=$?"));
+    assert!(!r.stdout.contains("reached"), "{r:?}");
+    assert!(has_block(&r, "tcp", &format!("{OTHER_V4}:80"), "no rule allows"), "{:?}", blocked(&r));
+    assert!(!inet.since(&mark).contains(OTHER_V4), "the request arrived");
+}
+
+#[test]
+fn udp_and_icmp_fail_even_with_everything_allowed() {
+    require_root!();
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(
+        &["0.0.0.0/0", "::/0", "*"],
+        &[],
+        &format!(
+            "python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); [s.sendto(b'leak', ('{WEB_V4}', 9999)) for _ in range(3)]\"; echo udp=$?;\
+             python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)\" 2>/dev/null; echo icmp_dgram=$?;\
+             python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)\" 2>/dev/null; echo icmp_raw=$?"
+        ),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(r.stdout.contains("udp=0"), "sending itself works (the forwarder drops it): {r:?}");
+    assert!(!r.stdout.contains("icmp_dgram=0"), "ICMP sockets must be refused: {r:?}");
+    assert!(!r.stdout.contains("icmp_raw=0"), "raw sockets must be refused: {r:?}");
+    assert!(has_block(&r, "udp", &format!("{WEB_V4}:9999"), "UDP goes only"), "{:?}", blocked(&r));
+    assert!(!inet.since(&mark).contains("udp from="), "a datagram arrived");
+}
+
+#[test]
+fn allowed_names_resolving_to_loopback_private_or_metadata_are_refused() {
+    require_root!();
+    let r = net(
+        &["loop.test", "private.test", "meta.test"],
+        &[],
+        &format!("for h in loop private meta; do {CURL} http://$h.test/ -o /dev/null; echo $h=$?; done"),
+    );
+    for h in ["loop", "private", "meta"] {
+        assert!(!r.stdout.contains(&format!("{h}=0")), "{h}.test was reached: {r:?}");
+    }
+    // The sandbox got the addresses from DNS, dialled them, and the forwarder refused.
+    assert!(has_block(&r, "tcp", "169.254.169.254:80", "cloud metadata"), "{:?}", blocked(&r));
+    assert!(has_block(&r, "tcp", "10.0.0.5:80", "private range"), "{:?}", blocked(&r));
+    assert!(r.stdout.contains("loop=7"), "127.0.0.1 is the sandbox's own loopback: {r:?}");
+}
+
+#[test]
+fn allowed_name_resolving_to_the_hosts_own_address_is_refused() {
+    require_root!();
+    let r = net(&["self.test", "198.51.100.0/24"], &[], &format!("{CURL} http://self.test:8/ -o /dev/null; echo a=$?; {CURL} http://{HOST_V4}:8/; echo b=$?"));
+    assert!(has_block(&r, "tcp", &format!("{HOST_V4}:8"), "address of the host"), "{:?}", blocked(&r));
+}
+
+#[test]
+fn sni_naming_an_allowed_host_while_dialling_another_ip_reaches_only_the_allowed_host() {
+    require_root!();
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(&["allowed.test"], &[], &format!("{CURL} -k --resolve allowed.test:443:{OTHER_V4} https://allowed.test/"));
+    assert!(r.stdout.contains(&format!("reached {WEB_V4} via https")), "{r:?}");
+    let seen = inet.since(&mark);
+    assert!(!seen.contains(&format!("https {OTHER_V4}")), "{seen}");
+}
+
+#[test]
+fn http_host_header_decides_not_the_dialled_address() {
+    require_root!();
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(
+        &["allowed.test"],
+        &[],
+        &format!(
+            "{CURL} -H 'Host: allowed.test' http://{OTHER_V4}/; echo; {CURL} --resolve other.test:80:{WEB_V4} http://other.test/; echo rc=$?"
+        ),
+    );
+    // Host names the allowed host, the address is another: the request goes to allowed.test.
+    assert!(r.stdout.contains(&format!("reached {WEB_V4} via http host=allowed.test")), "{r:?}");
+    // Host names a forbidden host at the allowed host's address: refused.
+    assert!(!r.stdout.contains("host=other.test"), "{r:?}");
+    assert!(blocked(&r).iter().any(|b| b["name"] == "other.test" && b["proto"] == "tcp"), "{:?}", blocked(&r));
+    assert!(!inet.since(&mark).contains(OTHER_V4));
+}
+
+#[test]
+fn cidr_rules_allow_addresses_and_nothing_else() {
+    require_root!();
+    let r = net(&["203.0.113.0/24"], &[], &format!("{CURL} http://{NET2_V4}/; echo; {CURL} http://{WEB_V4}/; echo rc=$?"));
+    assert!(r.stdout.contains(&format!("reached {NET2_V4} via http")), "{r:?}");
+    assert!(!r.stdout.contains(&format!("reached {WEB_V4}")), "{r:?}");
+    assert!(has_block(&r, "tcp", &format!("{WEB_V4}:80"), "no rule"), "{:?}", blocked(&r));
+}
+
+#[test]
+fn port_rules_limit_a_name_to_its_ports() {
+    require_root!();
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(&["allowed.test:443"], &[], &format!("{CURL} -k https://allowed.test/; echo; {CURL} http://allowed.test/port-80-probe; echo rc=$?"));
+    assert!(r.stdout.contains("via https"), "{r:?}");
+    assert!(!r.stdout.contains("via http "), "{r:?}");
+    assert!(!inet.since(&mark).contains("path=/port-80-probe"), "the plain HTTP request arrived");
+    // With Landlock's TCP rules (every allow rule names a port) the connect fails in the
+    // sandbox already; without them the forwarder refuses it.
+    if r.record["landlock"] == "full" {
+        assert!(r.stdout.contains("rc=7"), "{r:?}");
+    } else {
+        assert!(has_block(&r, "tcp", ":80", "no rule"), "{:?}", blocked(&r));
+    }
+}
+
+#[test]
+fn the_forwarder_enforces_ports_where_landlock_does_not() {
+    require_root!();
+    // The CIDR rule has no port, so Landlock's TCP rules stay off and only the forwarder decides.
+    let r = net(
+        &["allowed.test:443", "203.0.113.0/24"],
+        &[],
+        &format!("{CURL} -k https://allowed.test/; echo; {CURL} http://allowed.test/; echo rc=$?"),
+    );
+    assert!(r.stdout.contains("via https"), "{r:?}");
+    assert!(!r.stdout.contains("via http "), "{r:?}");
+    assert!(has_block(&r, "tcp", &format!("{WEB_V4}:80"), "no rule allows allowed.test:80"), "{:?}", blocked(&r));
+}
+
+#[test]
+fn deny_rules_cut_holes_in_allow_rules() {
+    require_root!();
+    let r = net(&["*.wild.test"], &["b.wild.test"], &format!("{CURL} http://a.wild.test/; echo; {CURL} http://b.wild.test/; echo rc=$?"));
+    assert!(r.stdout.contains("host=a.wild.test"), "{r:?}");
+    assert!(r.stdout.contains("rc=6"), "{r:?}");
+    assert!(blocked(&r).iter().any(|b| b["reason"].as_str().unwrap_or("").contains("denied by rule b.wild.test")), "{:?}", blocked(&r));
+}
+
+#[test]
+fn ipv6_goes_through_the_same_forwarder() {
+    require_root!();
+    let r = net(&["allowed.test"], &[], &format!("{CURL6} http://allowed.test/; echo; {CURL6} 'http://[2001:db8:100::11]/'; echo rc=$?"));
+    assert!(r.stdout.contains(&format!("reached {WEB_V6} via http")), "{r:?}");
+    assert!(has_block(&r, "tcp", "[2001:db8:100::11]:80", "no rule"), "{:?}", blocked(&r));
+}
+
+#[test]
+fn services_on_the_hosts_loopback_are_unreachable_with_any_policy() {
+    require_root!();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    let r = net(
+        &["0.0.0.0/0", "::/0", "*", "loop.test"],
+        &[],
+        &format!("{CURL} http://127.0.0.1:{port}/; echo a=$?; {CURL} http://loop.test:{port}/; echo b=$?; {CURL} http://10.0.2.1:{port}/; echo c=$?"),
+    );
+    assert!(listener.accept().is_err(), "the host's loopback service got a connection: {r:?}");
+    assert!(!r.stdout.contains("a=0") && !r.stdout.contains("b=0") && !r.stdout.contains("c=0"), "{r:?}");
+    assert!(has_block(&r, "tcp", &format!("10.0.2.1:{port}"), "gateway serves only DNS"), "{:?}", blocked(&r));
+}
+
+#[test]
+fn services_on_the_hosts_own_addresses_are_unreachable_with_any_policy() {
+    require_root!();
+    internet();
+    let listener = std::net::TcpListener::bind(format!("{HOST_V4}:0")).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    let r = net(
+        &["0.0.0.0/0", "198.51.100.0/24", "198.51.100.1", "self.test"],
+        &[],
+        &format!("{CURL} http://{HOST_V4}:{port}/; echo a=$?; {CURL} http://self.test:{port}/; echo b=$?"),
+    );
+    assert!(listener.accept().is_err(), "the host's service got a connection: {r:?}");
+    assert!(has_block(&r, "tcp", &format!("{HOST_V4}:{port}"), "address of the host"), "{:?}", blocked(&r));
+}
+
+#[test]
+fn a_sandbox_cannot_reach_another_sandbox() {
+    require_root!();
+    internet();
+    let _shared = QUIET.read().unwrap_or_else(|e| e.into_inner());
+    // Sandbox A serves on every address of its own namespace for a few seconds.
+    let a = std::thread::spawn(|| {
+        sh(
+            &["--allow-net", "allowed.test", "--dns-upstream", DNS],
+            "python3 -m http.server 8080 --bind 0.0.0.0 >/tmp/srv.log 2>&1 & sleep 6; cat /tmp/srv.log | grep -c GET",
+        )
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let b = sh(
+        &["--allow-net", "0.0.0.0/0", "--allow-net", "10.0.0.0/8", "--dns-upstream", DNS],
+        &format!("for h in 10.0.2.100 10.0.2.1 {HOST_V4}; do {CURL} --max-time 3 http://$h:8080/ -o /dev/null; echo $h=$?; done"),
+    );
+    let a = a.join().unwrap();
+    assert!(!b.stdout.contains("=0\n"), "B reached something: {b:?}");
+    assert_eq!(a.stdout.trim(), "0", "A's server got a request: {a:?}");
+}
+
+#[test]
+fn landlock_limits_tcp_connect_to_the_policys_ports() {
+    require_root!();
+    let r = net(
+        &["allowed.test:443"],
+        &[],
+        &format!(
+            "{CURL} -k https://allowed.test/; python3 -c \"
+import socket
+for addr in [('{WEB_V4}', 80), ('127.0.0.1', 8000)]:
+    try:
+        socket.create_connection(addr, timeout=3)
+        print(addr[1], 'connected')
+    except OSError as e:
+        print(addr[1], 'errno', e.errno)
+\"; {}",
+            py_dns("allowed.test", "10.0.2.1", "tcp")
+        ),
+    );
+    assert!(r.stdout.contains("via https"), "{r:?}");
+    if r.record["landlock"] == "full" {
+        assert!(r.stdout.contains("80 errno 13"), "port 80 should be refused by Landlock (EACCES): {r:?}");
+        assert!(r.stdout.contains("8000 errno 13"), "{r:?}");
+    }
+    assert!(r.stdout.contains("rcode 0 answers 1"), "DNS over TCP to the gateway still works: {r:?}");
+}
+
+#[test]
+fn audit_flag_prints_blocked_attempts() {
+    require_root!();
+    internet();
+    let _shared = QUIET.read().unwrap_or_else(|e| e.into_inner());
+    let r = sh(
+        &["--audit", "--allow-net", "allowed.test", "--dns-upstream", DNS],
+        &format!("{CURL} http://other.test/; {CURL} http://{OTHER_V4}/; true"),
+    );
+    assert!(r.stderr.contains("cordon: audit: blocked dns 10.0.2.1:53 (other.test) x"), "{r:?}");
+    assert!(r.stderr.contains(&format!("cordon: audit: blocked tcp {OTHER_V4}:80 x1: no rule allows {OTHER_V4}:80")), "{r:?}");
+}
+
+#[test]
+fn bad_rules_are_refused_with_one_line() {
+    require_root!();
+    for (flag, rule, says) in [
+        ("--allow-net", "exa mple.org", "--allow-net: 'exa mple.org' is not a domain"),
+        ("--allow-net", "example.org:0", "1 to 65535"),
+        ("--deny-net", "10.0.0.0/40", "--deny-net: '10.0.0.0/40' prefix /40 is longer than 32"),
+        ("--dns-upstream", "nope", "--dns-upstream: DNS upstream 'nope' is not IP:PORT"),
+    ] {
+        let out = cordon().args(["run", flag, rule, "--", "true"]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{rule}: {err}");
+        assert!(err.contains(says), "{rule}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+}
+
+#[test]
+fn policy_updated_at_run_time_takes_effect() {
+    require_root!();
+    internet();
+    let _shared = QUIET.read().unwrap_or_else(|e| e.into_inner());
+    runtime_update::check();
+}
+
+/// The forwarder's live policy swap, driven directly: a real TUN in a namespace made here, the
+/// same jail code that plumbs a sandbox, and curl run inside that namespace.
+mod runtime_update {
+    use super::*;
+    use std::process::Command;
+
+    fn curl_in(ns: &str, url: &str) -> String {
+        let out = Command::new("ip")
+            .args(["netns", "exec", ns, "curl", "-sS", "--max-time", "5", url])
+            .output()
+            .unwrap();
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    }
+
+    pub fn check() {
+        let ns = format!("cordon-upd-{}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &ns]).status();
+        assert!(Command::new("ip").args(["netns", "add", &ns]).status().unwrap().success());
+        // `ip netns exec` shows this file as the namespace's /etc/resolv.conf.
+        let etc = format!("/etc/netns/{ns}");
+        std::fs::create_dir_all(&etc).unwrap();
+        std::fs::write(format!("{etc}/resolv.conf"), "nameserver 10.0.2.1\n").unwrap();
+        let path = format!("/run/netns/{ns}");
+        let tun = std::thread::spawn(move || {
+            let f = std::fs::File::open(&path).unwrap();
+            // SAFETY: setns on this short-lived thread only; the fd is valid.
+            assert_eq!(unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&f), libc::CLONE_NEWNET) }, 0);
+            let _ = Command::new("ip").args(["link", "set", "lo", "up"]).status();
+            cordon_jail::tun::create().unwrap()
+        })
+        .join()
+        .unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let _enter = rt.enter();
+        let cfg = cordon_net::EgressConfig {
+            gateways: vec![cordon_jail::tun::GATEWAY_V4.into(), cordon_jail::tun::GATEWAY_V6.into()],
+            dns_upstream: Some(DNS.parse().unwrap()),
+            mtu: cordon_jail::tun::MTU,
+        };
+        let policy = |a: &[&str]| cordon_spec::NetworkPolicy::parse(a, &[] as &[&str]).unwrap();
+        let egress = cordon_net::Egress::start(tun, policy(&["allowed.test"]), cfg).unwrap();
+        let first = (curl_in(&ns, "http://allowed.test/"), curl_in(&ns, "http://a.wild.test/"));
+        egress.update_policy(policy(&["*.wild.test"]));
+        let second = (curl_in(&ns, "http://allowed.test/"), curl_in(&ns, "http://a.wild.test/"));
+        let blocked = egress.blocked();
+        drop(egress);
+        drop(rt);
+        let _ = Command::new("ip").args(["netns", "del", &ns]).status();
+        let _ = std::fs::remove_dir_all(&etc);
+        assert!(first.0.contains("host=allowed.test"), "{first:?}");
+        assert!(!first.1.contains("reached"), "{first:?}");
+        assert!(!second.0.contains("reached"), "{second:?}");
+        assert!(second.1.contains("host=a.wild.test"), "{second:?}");
+        assert!(blocked.iter().any(|b| b.name.as_deref() == Some("allowed.test")), "{blocked:?}");
+    }
+}

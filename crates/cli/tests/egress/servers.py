@@ -1,0 +1,158 @@
+"""The egress tests' "internet": HTTP, HTTPS, DNS and a UDP sink, run inside a network
+namespace the test made. Every request and datagram is appended to LOG, so a test can prove
+what did and did not arrive.
+
+usage: servers.py DIR IFACE   (DIR holds cert.pem, key.pem, zone.json; LOG is DIR/log)
+
+While DIR/capture exists, every IPv4 packet and every IPv6 TCP/UDP packet arriving on IFACE is
+logged too ("pkt ..."): a capture, for proving that nothing arrived.
+"""
+import http.server
+import json
+import os
+import socket
+import socketserver
+import ssl
+import struct
+import sys
+import threading
+
+DIR = sys.argv[1]
+LOG = os.path.join(DIR, "log")
+ZONE = json.load(open(os.path.join(DIR, "zone.json")))
+BIG = b"x" * (64 * 1024 * 1024)
+lock = threading.Lock()
+
+
+def log(line):
+    with lock, open(LOG, "a") as f:
+        f.write(line + "\n")
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        local = self.connection.getsockname()[0].removeprefix("::ffff:")
+        scheme = "https" if isinstance(self.connection, ssl.SSLSocket) else "http"
+        host = self.headers.get("Host", "")
+        log(f"{scheme} {local} host={host} path={self.path} from={self.client_address[0]}")
+        if self.path.startswith("/big"):
+            n = int(self.path.split("/")[-1]) if self.path.count("/") > 1 else len(BIG)
+            self.send_response(200)
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
+            view = memoryview(BIG)
+            while n > 0:
+                k = min(n, len(BIG))
+                self.wfile.write(view[:k])
+                n -= k
+            return
+        body = f"reached {local} via {scheme} host={host}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    address_family = socket.AF_INET6
+
+    def server_bind(self):
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def dns_answer(q):
+    tid, flags, qd = struct.unpack("!HHH", q[:6])
+    i, labels = 12, []
+    while q[i]:
+        labels.append(q[i + 1 : i + 1 + q[i]].decode())
+        i += 1 + q[i]
+    qtype, _ = struct.unpack("!HH", q[i + 1 : i + 5])
+    question = q[12 : i + 5]
+    name = ".".join(labels).lower()
+    log(f"dns {name} type={qtype}")
+    recs = ZONE.get(name)
+    if recs is None:
+        return struct.pack("!HHHHHH", tid, 0x8183, 1, 0, 0, 0) + question
+    answers = b""
+    count = 0
+    for addr in recs:
+        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        if (qtype == 1 and fam == socket.AF_INET) or (qtype == 28 and fam == socket.AF_INET6):
+            raw = socket.inet_pton(fam, addr)
+            answers += struct.pack("!HHHLH", 0xC00C, qtype, 1, 5, len(raw)) + raw
+            count += 1
+    return struct.pack("!HHHHHH", tid, 0x8180, 1, count, 0, 0) + question + answers
+
+
+def dns_udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("0.0.0.0", 53))
+    while True:
+        q, peer = s.recvfrom(4096)
+        try:
+            s.sendto(dns_answer(q), peer)
+        except Exception as e:  # a malformed query is the sender's problem
+            log(f"dns error {e}")
+
+
+def dns_tcp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 53))
+    s.listen(16)
+    while True:
+        c, _ = s.accept()
+        try:
+            n = struct.unpack("!H", c.recv(2))[0]
+            a = dns_answer(c.recv(n))
+            c.sendall(struct.pack("!H", len(a)) + a)
+        except Exception as e:
+            log(f"dns error {e}")
+        c.close()
+
+
+def udp_sink():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("0.0.0.0", 9999))
+    while True:
+        data, peer = s.recvfrom(4096)
+        log(f"udp from={peer[0]} {data[:40]!r}")
+
+
+def capture():
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    s.bind((sys.argv[2], 0))
+    flag = os.path.join(DIR, "capture")
+    while True:
+        frame, _ = s.recvfrom(65535)
+        if not os.path.exists(flag):
+            continue
+        eth = struct.unpack("!H", frame[12:14])[0]
+        ip = frame[14:]
+        if eth == 0x0800:
+            log(f"pkt v4 {socket.inet_ntop(socket.AF_INET, ip[12:16])} > {socket.inet_ntop(socket.AF_INET, ip[16:20])} proto={ip[9]}")
+        elif eth == 0x86DD and ip[6] in (6, 17):
+            log(f"pkt v6 {socket.inet_ntop(socket.AF_INET6, ip[8:24])} > {socket.inet_ntop(socket.AF_INET6, ip[24:40])} proto={ip[6]}")
+
+
+def main():
+    http_srv = Server(("::", 80), Handler)
+    https_srv = Server(("::", 443), Handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(os.path.join(DIR, "cert.pem"), os.path.join(DIR, "key.pem"))
+    https_srv.socket = ctx.wrap_socket(https_srv.socket, server_side=True)
+    for target in (http_srv.serve_forever, https_srv.serve_forever, dns_udp, dns_tcp, udp_sink, capture):
+        threading.Thread(target=target, daemon=True).start()
+    open(os.path.join(DIR, "ready"), "w").close()
+    threading.Event().wait()
+
+
+main()

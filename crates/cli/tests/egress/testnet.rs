@@ -1,0 +1,186 @@
+//! A private "internet" for the egress tests: a network namespace reached from the host over a
+//! veth, with TEST-NET addresses, running HTTP, HTTPS (self-signed), DNS and a UDP sink
+//! (servers.py). One per test binary, made on first use, removed at exit; a lock file keeps two
+//! test binaries (or the bench) from using the addresses at once, and leftovers of a dead run
+//! are removed first.
+#![allow(dead_code)]
+
+use std::fs;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock, RwLock};
+use std::time::{Duration, Instant};
+
+pub const HOST_V4: &str = "198.51.100.1";
+pub const WEB_V4: &str = "198.51.100.10";
+pub const OTHER_V4: &str = "198.51.100.11";
+pub const WILD_V4: &str = "198.51.100.12";
+pub const NET2_V4: &str = "203.0.113.10";
+pub const WEB_V6: &str = "2001:db8:100::10";
+pub const DNS: &str = "198.51.100.10:53";
+
+pub struct Internet {
+    pub ns: String,
+    pub dir: PathBuf,
+    pub host_if: String,
+    pub ns_if: String,
+}
+
+struct Cleanup {
+    ns: String,
+    dir: PathBuf,
+    child: Child,
+}
+
+static CLEANUP: Mutex<Option<Cleanup>> = Mutex::new(None);
+static NET: OnceLock<Internet> = OnceLock::new();
+/// Tests that count packets take this for writing; every other test for reading.
+pub static QUIET: RwLock<()> = RwLock::new(());
+
+extern "C" fn cleanup_at_exit() {
+    if let Ok(mut g) = CLEANUP.lock() {
+        if let Some(mut c) = g.take() {
+            let _ = c.child.kill();
+            let _ = c.child.wait();
+            let _ = Command::new("ip").args(["netns", "del", &c.ns]).status();
+            let _ = fs::remove_dir_all(&c.dir);
+        }
+    }
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+}
+
+fn zone() -> String {
+    serde_json::json!({
+        "allowed.test": [WEB_V4, WEB_V6],
+        "other.test": [OTHER_V4],
+        "wild.test": [WILD_V4],
+        "a.wild.test": [WILD_V4],
+        "b.wild.test": [WILD_V4],
+        "loop.test": ["127.0.0.1"],
+        "private.test": ["10.0.0.5"],
+        "meta.test": ["169.254.169.254"],
+        "self.test": [HOST_V4],
+        "net2.test": [NET2_V4],
+    })
+    .to_string()
+}
+
+/// The shared test internet, set up on first use.
+pub fn internet() -> &'static Internet {
+    NET.get_or_init(setup)
+}
+
+fn setup() -> Internet {
+    // Held until the process exits: one user of these addresses at a time.
+    let lock = fs::File::create("/run/cordon-test-internet.lock").expect("create lock file");
+    // SAFETY: flock on a file we just opened.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0, "lock the test internet");
+    std::mem::forget(lock);
+    // Whatever a previous, killed run left is unused now that we hold the lock.
+    let list = Command::new("ip").args(["netns", "list"]).output().expect("ip netns list");
+    for line in String::from_utf8_lossy(&list.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        if name.starts_with("cordon-inet-") {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+
+    let pid = std::process::id();
+    let ns = format!("cordon-inet-{pid}");
+    let (host_if, ns_if) = (format!("ci{pid}h"), format!("ci{pid}n"));
+    let dir = std::env::temp_dir().join(format!("cordon-inet-{pid}"));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+
+    ip(&["netns", "add", &ns]);
+    ip(&["link", "add", &host_if, "type", "veth", "peer", "name", &ns_if]);
+    ip(&["link", "set", &ns_if, "netns", &ns]);
+    ip(&["addr", "add", &format!("{HOST_V4}/24"), "dev", &host_if]);
+    ip(&["-6", "addr", "add", "2001:db8:100::1/64", "dev", &host_if, "nodad"]);
+    ip(&["link", "set", &host_if, "up"]);
+    ip(&["route", "add", "203.0.113.0/24", "via", WEB_V4, "dev", &host_if]);
+    for a in [WEB_V4, OTHER_V4, WILD_V4] {
+        ip(&["-n", &ns, "addr", "add", &format!("{a}/24"), "dev", &ns_if]);
+    }
+    ip(&["-n", &ns, "addr", "add", &format!("{NET2_V4}/32"), "dev", &ns_if]);
+    ip(&["-n", &ns, "-6", "addr", "add", &format!("{WEB_V6}/64"), "dev", &ns_if, "nodad"]);
+    ip(&["-n", &ns, "link", "set", "lo", "up"]);
+    ip(&["-n", &ns, "link", "set", &ns_if, "up"]);
+
+    let cert = Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"])
+        .args(["-subj", "/CN=allowed.test", "-addext", "subjectAltName=DNS:allowed.test,DNS:*.wild.test,DNS:other.test"])
+        .arg("-keyout")
+        .arg(dir.join("key.pem"))
+        .arg("-out")
+        .arg(dir.join("cert.pem"))
+        .output()
+        .expect("run openssl (scripts/install-deps installs it)");
+    assert!(cert.status.success(), "openssl: {}", String::from_utf8_lossy(&cert.stderr));
+    fs::write(dir.join("zone.json"), zone()).unwrap();
+    fs::write(dir.join("log"), "").unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/egress/servers.py");
+    let child = Command::new("ip")
+        .args(["netns", "exec", &ns, "/usr/bin/python3"])
+        .arg(&script)
+        .arg(&dir)
+        .arg(&ns_if)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(dir.join("stderr")).unwrap())
+        .spawn()
+        .expect("start the test servers");
+    *CLEANUP.lock().unwrap() = Some(Cleanup { ns: ns.clone(), dir: dir.clone(), child });
+    // SAFETY: registering a plain extern "C" function with no captured state.
+    unsafe { libc::atexit(cleanup_at_exit) };
+    let t = Instant::now();
+    while !dir.join("ready").exists() {
+        assert!(t.elapsed() < Duration::from_secs(20), "test servers did not start: {}", fs::read_to_string(dir.join("stderr")).unwrap_or_default());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Internet { ns, dir, host_if, ns_if }
+}
+
+impl Internet {
+    /// Everything the servers logged so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
+    /// A marker written into the log, to look only at what came after it.
+    pub fn mark(&self) -> String {
+        let m = format!("mark {}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+        let mut f = fs::OpenOptions::new().append(true).open(self.dir.join("log")).unwrap();
+        writeln!(f, "{m}").unwrap();
+        m
+    }
+
+    /// The log after `mark`.
+    pub fn since(&self, mark: &str) -> String {
+        let log = self.log();
+        log.split_once(mark).map(|(_, after)| after.to_string()).unwrap_or(log)
+    }
+
+    /// Starts or stops logging every IP packet that arrives in the test internet.
+    pub fn capture(&self, on: bool) {
+        let flag = self.dir.join("capture");
+        if on {
+            fs::write(flag, "").unwrap();
+        } else {
+            let _ = fs::remove_file(flag);
+        }
+    }
+
+    /// Packets the host sent into the test internet (the host end's transmit count): any
+    /// packet of a sandbox that left the host would be among them.
+    pub fn packets_in(&self) -> u64 {
+        let tx = format!("/sys/class/net/{}/statistics/tx_packets", self.host_if);
+        fs::read_to_string(tx).unwrap().trim().parse().unwrap()
+    }
+}

@@ -1,0 +1,67 @@
+//! The sandbox's record of blocked network attempts: what, where, which name, why, how often.
+
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// One kind of blocked attempt, counted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Blocked {
+    /// `tcp`, `udp`, `dns` or the IP protocol's name (`icmp`, `icmpv6`, ...).
+    pub proto: String,
+    /// The address the sandbox sent to (`ip:port`, or `ip` for protocols without ports).
+    pub destination: String,
+    /// The host name involved (TLS SNI, HTTP Host, DNS question), if any.
+    pub name: Option<String>,
+    pub reason: String,
+    pub count: u64,
+}
+
+/// Distinct attempts kept; beyond this only counts of known ones grow, so a flood inside the
+/// sandbox cannot grow the host's memory.
+const MAX_ENTRIES: usize = 4096;
+
+#[derive(Default)]
+pub struct AuditLog {
+    entries: Mutex<(Vec<Blocked>, HashMap<(String, String, Option<String>, String), usize>)>,
+}
+
+impl AuditLog {
+    pub fn record(&self, proto: &str, destination: String, name: Option<String>, reason: String) {
+        tracing::debug!(proto, %destination, ?name, %reason, "egress blocked");
+        let mut g = self.entries.lock().expect("audit lock");
+        let (list, index) = &mut *g;
+        let key = (proto.to_string(), destination, name, reason);
+        if let Some(&i) = index.get(&key) {
+            list[i].count += 1;
+            return;
+        }
+        if list.len() >= MAX_ENTRIES {
+            return;
+        }
+        index.insert(key.clone(), list.len());
+        list.push(Blocked { proto: key.0, destination: key.1, name: key.2, reason: key.3, count: 1 });
+    }
+
+    pub fn snapshot(&self) -> Vec<Blocked> {
+        self.entries.lock().expect("audit lock").0.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_repeats_once() {
+        let log = AuditLog::default();
+        for _ in 0..3 {
+            log.record("tcp", "198.51.100.9:80".into(), None, "no rule".into());
+        }
+        log.record("dns", "10.0.2.1:53".into(), Some("x.test".into()), "no rule".into());
+        let s = log.snapshot();
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0].count, 3);
+        assert_eq!(s[1].name.as_deref(), Some("x.test"));
+    }
+}

@@ -1,0 +1,234 @@
+//! The per-flow decisions: what each TCP connection, UDP datagram and other packet the sandbox
+//! sends gets.
+
+use crate::device::TunDevice;
+use crate::guard;
+use crate::sniff::{sniff, Sniffed, MAX_PEEK};
+use crate::Shared;
+use cordon_spec::{NetworkPolicy, Target, Verdict};
+use ipstack::{IpNumber, IpStack, IpStackConfig, IpStackStream, IpStackTcpStream, IpStackUdpStream, TcpConfig};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// How long a connection may stay silent before we decide it names no host (server-speaks-first
+/// protocols such as SSH or SMTP wait this long once, when no address rule already allows them).
+const PEEK_WAIT: Duration = Duration::from_millis(1000);
+const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub(crate) async fn serve(device: TunDevice, mtu: u16, shared: Arc<Shared>) {
+    let mut cfg = IpStackConfig::default();
+    if cfg.mtu(mtu).is_err() {
+        cfg.mtu_unchecked(mtu);
+    }
+    cfg.udp_timeout(Duration::from_secs(30));
+    let mut tcp_cfg = TcpConfig::default();
+    tcp_cfg.timeout = Duration::from_secs(600);
+    cfg.with_tcp_config(tcp_cfg);
+    let mut stack = IpStack::new(cfg, device);
+    loop {
+        let flow = match stack.accept().await {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!("egress stack ended: {e}");
+                return;
+            }
+        };
+        let shared = shared.clone();
+        match flow {
+            IpStackStream::Tcp(s) => {
+                tokio::spawn(tcp(shared, s));
+            }
+            IpStackStream::Udp(s) => {
+                tokio::spawn(udp(shared, s));
+            }
+            IpStackStream::UnknownTransport(u) => {
+                let dst = u.dst_addr();
+                // The kernel's own multicast chatter (MLD, router solicitation) is no attempt.
+                if dst.is_multicast() {
+                    continue;
+                }
+                let proto = match u.ip_protocol() {
+                    IpNumber::ICMP => "icmp".to_string(),
+                    IpNumber::IPV6_ICMP => "icmpv6".to_string(),
+                    n => format!("ip-proto-{}", n.0),
+                };
+                shared.audit.record(&proto, dst.to_string(), None, "only TCP and DNS leave the sandbox".into());
+            }
+            IpStackStream::UnknownNetwork(_) => {}
+        }
+    }
+}
+
+async fn udp(shared: Arc<Shared>, mut s: IpStackUdpStream) {
+    let dst = s.peer_addr();
+    if !(shared.is_gateway(dst.ip()) && dst.port() == 53) {
+        if !dst.ip().is_multicast() {
+            shared.audit.record("udp", dst.to_string(), None, "UDP goes only to the gateway's DNS".into());
+        }
+        return;
+    }
+    let mut buf = vec![0u8; 65536];
+    loop {
+        let n = match s.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let policy = shared.policy();
+        if let Some(reply) = shared.dns.answer(&buf[..n], &policy, &shared.audit, dst).await {
+            if s.write_all(&reply).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// DNS over TCP: two-byte length, message, repeated.
+async fn dns_tcp(shared: Arc<Shared>, mut s: IpStackTcpStream, dst: SocketAddr) {
+    loop {
+        let mut len = [0u8; 2];
+        if s.read_exact(&mut len).await.is_err() {
+            return;
+        }
+        let mut msg = vec![0u8; u16::from_be_bytes(len) as usize];
+        if s.read_exact(&mut msg).await.is_err() {
+            return;
+        }
+        let policy = shared.policy();
+        let Some(reply) = shared.dns.answer(&msg, &policy, &shared.audit, dst).await else { return };
+        let mut out = (reply.len() as u16).to_be_bytes().to_vec();
+        out.extend_from_slice(&reply);
+        if s.write_all(&out).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Reads the connection's first bytes until they name a host, say they never will, or the
+/// sandbox stays silent for [`PEEK_WAIT`].
+async fn peek(s: &mut IpStackTcpStream, buf: &mut Vec<u8>) -> Sniffed {
+    let deadline = tokio::time::Instant::now() + PEEK_WAIT;
+    let mut chunk = vec![0u8; 4096];
+    loop {
+        let n = match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+            Ok(Ok(n)) => n,
+            Ok(Err(_)) | Err(_) => return Sniffed::Nameless,
+        };
+        if n == 0 {
+            return Sniffed::Nameless;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        match sniff(buf) {
+            Sniffed::Incomplete if buf.len() < MAX_PEEK => continue,
+            Sniffed::Incomplete => return Sniffed::Nameless,
+            done => return done,
+        }
+    }
+}
+
+fn deny_reason(v: &Verdict, what: &str) -> String {
+    match v {
+        Verdict::Deny(r) => format!("{what} denied by rule {r}"),
+        _ => format!("no rule allows {what}"),
+    }
+}
+
+/// Where a connection may go, or why it may not.
+async fn decide(shared: &Shared, policy: &NetworkPolicy, dst: SocketAddr, name: Option<&str>) -> Result<Vec<SocketAddr>, String> {
+    let host = guard::host_addresses();
+    let port = dst.port();
+    if let Some(name) = name {
+        match policy.check_name(name, port) {
+            Verdict::Allow(_) => {
+                let addrs = shared.dns.resolve(name).await?;
+                let mut refusals = Vec::new();
+                let ok: Vec<SocketAddr> = addrs
+                    .into_iter()
+                    .filter(|ip| match guard::refusal(*ip, policy, &host) {
+                        Some(r) => {
+                            refusals.push(r);
+                            false
+                        }
+                        None => true,
+                    })
+                    .map(|ip| SocketAddr::new(ip, port))
+                    .collect();
+                if ok.is_empty() {
+                    return Err(format!("{name} resolves only to refused addresses: {}", refusals.join("; ")));
+                }
+                return Ok(ok);
+            }
+            v @ Verdict::Deny(_) => return Err(deny_reason(&v, &format!("{name}:{port}"))),
+            Verdict::NoRule => {}
+        }
+    }
+    let by_ip = policy.check_ip(dst.ip(), port);
+    let allowed = by_ip.allowed()
+        || (matches!(by_ip, Verdict::NoRule)
+            && shared.dns.name_of(dst.ip()).is_some_and(|n| policy.check_name(&n, port).allowed()));
+    if !allowed {
+        let what = match name {
+            Some(n) => format!("{n}:{port} or {dst}"),
+            None => dst.to_string(),
+        };
+        return Err(deny_reason(&by_ip, &what));
+    }
+    if let Some(r) = guard::refusal(dst.ip(), policy, &host) {
+        return Err(r);
+    }
+    Ok(vec![dst])
+}
+
+async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
+    let dst = s.peer_addr();
+    if shared.is_gateway(dst.ip()) {
+        if dst.port() == 53 {
+            dns_tcp(shared, s, dst).await;
+        } else {
+            shared.audit.record("tcp", dst.to_string(), None, "the gateway serves only DNS".into());
+        }
+        return;
+    }
+    let policy = shared.policy();
+    // Skip naming (and its wait for server-first protocols) when the address alone settles it
+    // and no name rule could still deny.
+    let name_denies = policy.deny.iter().any(|r| !matches!(r.target, Target::Cidr(_)));
+    let ip_ok = policy.check_ip(dst.ip(), dst.port()).allowed()
+        || shared.dns.name_of(dst.ip()).is_some_and(|n| policy.check_name(&n, dst.port()).allowed());
+    let mut first = Vec::new();
+    let sniffed = if ip_ok && !name_denies { Sniffed::Nameless } else { peek(&mut s, &mut first).await };
+    let name = match &sniffed {
+        Sniffed::Name(n) => Some(n.as_str()),
+        _ => None,
+    };
+    let targets = match decide(&shared, &policy, dst, name).await {
+        Ok(t) => t,
+        Err(reason) => {
+            shared.audit.record("tcp", dst.to_string(), name.map(str::to_string), reason);
+            return;
+        }
+    };
+    let mut upstream = None;
+    for t in &targets {
+        match tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(t)).await {
+            Ok(Ok(c)) => {
+                upstream = Some(c);
+                break;
+            }
+            Ok(Err(e)) => tracing::debug!(%t, "dial failed: {e}"),
+            Err(_) => tracing::debug!(%t, "dial timed out"),
+        }
+    }
+    let Some(mut up) = upstream else { return };
+    tracing::debug!(%dst, ?name, to = ?up.peer_addr().ok(), "egress connection");
+    let _ = up.set_nodelay(true);
+    if !first.is_empty() && up.write_all(&first).await.is_err() {
+        return;
+    }
+    let _ = tokio::io::copy_bidirectional(&mut s, &mut up).await;
+    let _ = up.shutdown().await;
+    let _ = s.shutdown().await;
+}
+
