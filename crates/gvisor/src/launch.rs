@@ -190,6 +190,20 @@ pub fn serve_link(from_agent: OwnedFd, to_agent: OwnedFd, listener: std::os::uni
     Ok(LinkThread { stop: Some(stop), thread: Some(thread) })
 }
 
+/// Takes the lock, waiting for a holder to let go.
+pub fn flock(f: &std::fs::File) -> io::Result<()> {
+    loop {
+        // SAFETY: flock on a valid fd.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// Takes the lock without waiting; false when another process holds it.
 pub fn flock_nb(f: &std::fs::File) -> bool {
     // SAFETY: flock on a valid fd.

@@ -42,6 +42,8 @@ pub const MEMORY_OVERHEAD: u64 = 64 << 20;
 /// limit is only a backstop, and reaching it ends the whole sandbox, never the host.
 pub const PIDS_PER_TASK: u32 = 24;
 pub const PIDS_OVERHEAD: u32 = 256;
+/// How long a sandbox directory without lock or record counts as being created, not left over.
+const CREATE_GRACE: Duration = Duration::from_secs(30);
 /// How long a new sandbox's agent may take to answer.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -131,20 +133,29 @@ impl Gvisor {
         let mut reaped = 0;
         for e in entries.flatten() {
             let dir = e.path();
+            // A directory being created right now may not have its lock or record yet: only
+            // an old one without them is the leftover of a create that died.
+            let young = e.metadata().ok().and_then(|m| m.modified().ok()).and_then(|t| t.elapsed().ok()).is_some_and(|age| age < CREATE_GRACE);
             let Ok(lock) = fs::File::open(dir.join("lock")) else {
-                let _ = fs::remove_dir_all(&dir);
+                if !young {
+                    let _ = fs::remove_dir_all(&dir);
+                }
                 continue;
             };
             if !launch::flock_nb(&lock) {
                 continue; // its owner is alive
             }
-            if let Ok(rec) = fs::read(dir.join("record.json"))
+            match fs::read(dir.join("record.json"))
                 .map_err(drop)
                 .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(drop))
             {
-                tracing::info!(id = %rec.id, "reaping gvisor sandbox left by a dead cordon process");
-                rec.cgroup.kill_and_wait(Duration::from_secs(5));
-                let _ = rec.cgroup.remove();
+                Ok(rec) => {
+                    tracing::info!(id = %rec.id, "reaping gvisor sandbox left by a dead cordon process");
+                    rec.cgroup.kill_and_wait(Duration::from_secs(5));
+                    let _ = rec.cgroup.remove();
+                }
+                Err(()) if young => continue,
+                Err(()) => {}
             }
             let _ = fs::remove_dir_all(&dir);
             reaped += 1;
@@ -165,8 +176,13 @@ impl Gvisor {
                 return Err(io_err("create lock")(e));
             }
         };
-        // Held for the sandbox's life: a free lock means a dead owner (see reap_orphans).
-        launch::flock_nb(&lock);
+        // Held for the sandbox's life: a free lock means a dead owner (see reap_orphans). A
+        // reaper in another process may hold it for a moment (it then sees a young directory
+        // without a record and leaves it), so wait for it rather than fail.
+        if let Err(e) = launch::flock(&lock) {
+            let _ = fs::remove_dir_all(&dir);
+            return Err(io_err("lock the sandbox's directory")(e));
+        }
         let mut sb = Sandbox {
             id: cfg.id.clone(),
             socket: dir.join("agent.sock"),
