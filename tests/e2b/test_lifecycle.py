@@ -147,7 +147,7 @@ def test_unknown_template_and_tier():
     with pytest.raises(SandboxException) as e:
         Sandbox.create("no-such-template")
     assert "no-such-template" in str(e.value)
-    r = httpx.post(f"{API_URL}/sandboxes", headers={"X-API-KEY": API_KEY}, json={"templateID": "base", "tier": "vm"})
+    r = httpx.post(f"{API_URL}/sandboxes", headers={"X-API-KEY": API_KEY}, json={"templateID": "base", "tier": "no-such-tier"})
     assert r.status_code == 400 and "tier" in r.json()["message"]
     r = httpx.post(f"{API_URL}/sandboxes", headers={"X-API-KEY": API_KEY}, content=b"{not json")
     assert r.status_code == 400 and r.json()["code"] == 400

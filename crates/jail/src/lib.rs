@@ -20,6 +20,8 @@ pub mod tun;
 
 pub use cgroup::{Cgroup, Layout};
 pub use slots::{Slot, Slots};
+/// Brings up `lo` in the caller's network namespace (the vm tier's guest init uses it too).
+pub use sys::loopback_up;
 
 use cordon_spec::Limits;
 use serde::{Deserialize, Serialize};

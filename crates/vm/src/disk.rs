@@ -111,5 +111,8 @@ pub fn writable_layer(path: &Path, bytes: u64, uid: u32) -> Result<(), VmError> 
         "writable layer",
     )?;
     std::os::unix::fs::chown(path, Some(uid), Some(uid)).map_err(|e| VmError::Disk(format!("chown {}: {e}", path.display())))?;
+    // The guest's files: readable by its VMM alone.
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o600)).map_err(|e| VmError::Disk(format!("chmod {}: {e}", path.display())))?;
     Ok(())
 }

@@ -138,13 +138,16 @@ fn init() -> Result<(), String> {
     // SAFETY: chmod of a fixed path; /tmp on the overlay must be world-writable and sticky.
     unsafe { libc::chmod(c"/tmp".as_ptr(), 0o1777) };
 
+    // No network device at all, but loopback must work: servers inside are reached through it
+    // (the agent's port forwarding connects to 127.0.0.1).
+    cordon_jail::loopback_up().map_err(|e| format!("bring up lo: {e}"))?;
     let host = cfg.hostname.as_bytes();
     // SAFETY: pointer and length of a live byte slice.
     if unsafe { libc::sethostname(host.as_ptr().cast(), host.len()) } != 0 {
         return Err(errno("sethostname"));
     }
-    // The guest's OOM killer must pick the command, never the agent that reports it.
-    let _ = fs::write("/proc/self/oom_score_adj", "-1000");
+    // The agent is the guest's PID 1 from here on, which the guest's OOM killer never picks; an
+    // oom_score_adj here would be inherited by every command and shield them instead.
     tracing::debug!(elapsed = ?t0.elapsed(), "guest init ready");
     step("serving the agent");
 

@@ -191,7 +191,11 @@ impl VmTier {
             return Err(VmError::BadRequest(format!("the vm tier needs a memory cap of at least {MIN_MEMORY_MIB}M (the guest kernel and agent live in it)")));
         }
         let dir = self.run_dir.join(&cfg.id);
-        fs::create_dir(&dir).map_err(io_err(format!("create {}", dir.display())))?;
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            // The socket, the writable layer and the console are the host's business only.
+            fs::DirBuilder::new().mode(0o700).create(&dir).map_err(io_err(format!("create {}", dir.display())))?;
+        }
         let lock = match fs::File::create(dir.join("lock")) {
             Ok(l) => l,
             Err(e) => {
