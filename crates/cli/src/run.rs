@@ -229,6 +229,9 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let outcome = rt.block_on(drive(&sandbox, &spec, &a.command, &copies));
     let blocked = egress.as_ref().map(|e| e.blocked()).unwrap_or_default();
     drop(egress);
+    // Flows still open belong to a sandbox about to be destroyed: do not wait for them (ipstack
+    // streams block in their destructors until their session tasks end).
+    rt.shutdown_background();
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
     let oom = sandbox.oom_kills() > 0;
     let landlock = sandbox.landlock().to_string();
