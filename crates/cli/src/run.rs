@@ -216,6 +216,9 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let peak = sandbox.peak_memory();
     let cpu_usec = sandbox.cpu_usage_usec();
     let teardown = sandbox.destroy();
+    // Flows still open belonged to the sandbox just destroyed: do not wait for them (ipstack
+    // streams block in their destructors until their session tasks end).
+    rt.shutdown_background();
     let duration = started.elapsed();
     tracing::debug!(elapsed = ?duration, "sandbox destroyed");
 

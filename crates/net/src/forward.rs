@@ -26,6 +26,10 @@ pub(crate) async fn serve(device: TunDevice, mtu: u16, shared: Arc<Shared>) {
     cfg.udp_timeout(Duration::from_secs(30));
     let mut tcp_cfg = TcpConfig::default();
     tcp_cfg.timeout = Duration::from_secs(600);
+    // ipstack's defaults (16 KiB in flight, 16 KiB of receive buffer) cap a download at about
+    // 50 MB/s here; the sandbox's kernel is a fast, lossless peer, so keep more in flight.
+    tcp_cfg.max_unacked_bytes = 1 << 20;
+    tcp_cfg.read_buffer_size = 1 << 16;
     cfg.with_tcp_config(tcp_cfg);
     let mut stack = IpStack::new(cfg, device);
     loop {
@@ -227,8 +231,30 @@ async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
     if !first.is_empty() && up.write_all(&first).await.is_err() {
         return;
     }
-    let _ = tokio::io::copy_bidirectional(&mut s, &mut up).await;
-    let _ = up.shutdown().await;
-    let _ = s.shutdown().await;
+    splice(s, up).await;
 }
 
+/// Copies both ways until both sides have finished, passing each side's end of stream on.
+///
+/// Not `copy_bidirectional`: ipstack's `poll_shutdown` sends the FIN only once everything
+/// written is acknowledged and is not woken again when that happens, so the shutdown toward
+/// the sandbox is polled until it completes.
+async fn splice(s: IpStackTcpStream, up: TcpStream) {
+    let (mut sr, mut sw) = tokio::io::split(s);
+    let (mut ur, mut uw) = up.into_split();
+    let out = async {
+        let _ = tokio::io::copy(&mut sr, &mut uw).await;
+        let _ = uw.shutdown().await;
+    };
+    let back = async {
+        let _ = tokio::io::copy(&mut ur, &mut sw).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while tokio::time::Instant::now() < deadline {
+            if let Ok(r) = tokio::time::timeout(Duration::from_millis(10), sw.shutdown()).await {
+                let _ = r;
+                break;
+            }
+        }
+    };
+    tokio::join!(out, back);
+}
