@@ -47,6 +47,10 @@ pub trait Instance: Send {
     fn disk_usage(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// The service the sandbox's image starts in every sandbox (see [`crate::start`]).
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        None
+    }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), String>;
 }
@@ -70,7 +74,7 @@ impl JailBackend {
     }
 }
 
-struct JailInstance(cordon_jail::Sandbox);
+struct JailInstance(cordon_jail::Sandbox, Option<cordon_image::StartCommand>);
 
 impl Instance for JailInstance {
     fn socket_path(&self) -> &Path {
@@ -93,8 +97,55 @@ impl Instance for JailInstance {
         self.0.disk_usage()
     }
 
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        self.1.as_ref()
+    }
+
     fn destroy(&mut self) -> Result<(), String> {
         self.0.destroy().map_err(|e| e.to_string())
+    }
+}
+
+/// Build progress of an image built on first use, into the server's log.
+struct LogProgress<'a>(&'a str);
+
+impl cordon_image::Progress for LogProgress<'_> {
+    fn stage(&mut self, index: usize, total: usize, name: &str) {
+        tracing::info!(image = self.0, "building: step {}/{total}: {name}", index + 1);
+    }
+
+    fn line(&mut self, text: &str) {
+        tracing::debug!(image = self.0, "build: {text}");
+    }
+}
+
+impl JailBackend {
+    /// The image of `template`. A built-in recipe that is not built yet (say
+    /// `code-interpreter-v1`) is built now, as `cordon run` does: creates of it wait for the
+    /// build (minutes, once), and a build that outlives its client's request still finishes.
+    fn image(&self, template: &str) -> Result<cordon_image::Image, BackendError> {
+        match self.store.get(template) {
+            Ok(img) => Ok(img),
+            Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&template) => {
+                tracing::info!(image = template, "template not built yet: building it from its recipe");
+                let started = std::time::Instant::now();
+                let img = self
+                    .store
+                    .build(template, &Default::default(), &mut LogProgress(template))
+                    .map_err(|e| BackendError::Failed(format!("building the image of template '{template}': {e}")))?;
+                tracing::info!(image = template, secs = started.elapsed().as_secs(), size = img.meta.size_bytes, "image built");
+                Ok(img)
+            }
+            Err(cordon_image::ImageError::NotFound { .. }) => {
+                let known: Vec<String> = self.store.list().unwrap_or_default().into_iter().map(|i| i.name).collect();
+                Err(BackendError::UnknownTemplate(format!(
+                    "template '{}' not found; available templates: {} (build one with `cordon image build` or `cordon image import`)",
+                    template,
+                    if known.is_empty() { "none".to_string() } else { known.join(", ") }
+                )))
+            }
+            Err(e) => Err(BackendError::UnknownTemplate(format!("template '{template}': {e}"))),
+        }
     }
 }
 
@@ -104,18 +155,7 @@ const JAIL_BACKSTOP: Duration = Duration::from_secs(crate::registry::MAX_TIMEOUT
 
 impl Backend for JailBackend {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
-        let image = match self.store.get(&spec.template) {
-            Ok(img) => img,
-            Err(cordon_image::ImageError::NotFound { .. }) => {
-                let known: Vec<String> = self.store.list().unwrap_or_default().into_iter().map(|i| i.name).collect();
-                return Err(BackendError::UnknownTemplate(format!(
-                    "template '{}' not found; available templates: {} (build one with `cordon image build` or `cordon image import`)",
-                    spec.template,
-                    if known.is_empty() { "none".to_string() } else { known.join(", ") }
-                )));
-            }
-            Err(e) => return Err(BackendError::UnknownTemplate(format!("template '{}': {e}", spec.template))),
-        };
+        let image = self.image(&spec.template)?;
         let limits = cordon_spec::Limits {
             memory_bytes: spec.memory_mb << 20,
             cpus: spec.cpu_count as f64,
@@ -150,6 +190,6 @@ impl Backend for JailBackend {
             audit: false,
         };
         let sb = self.jail.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
-        Ok(Box::new(JailInstance(sb)))
+        Ok(Box::new(JailInstance(sb, image.meta.start.clone())))
     }
 }
