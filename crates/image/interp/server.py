@@ -66,6 +66,9 @@ MIME_KEYS = {
     "e2b/chart": "chart",
 }
 
+# Binary types, which Jupyter sends base64-encoded.
+BASE64_KEYS = {"png", "jpeg", "pdf"}
+
 # Languages the SDK may name, lower-cased and trimmed, and the kernel that runs each.
 LANGUAGES = {"python": "python", "python3": "python"}
 
@@ -91,6 +94,9 @@ def result_line(data, is_main_result):
         if key == "text" and isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == "'":
             # A string's repr: the SDK shows the string itself.
             value = value[1:-1]
+        elif key in BASE64_KEYS and isinstance(value, str):
+            # ipykernel ends its base64 with a newline, which strict decoders refuse.
+            value = value.strip()
         line[key] = value
     if extra:
         line["extra"] = extra
