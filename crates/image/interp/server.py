@@ -211,7 +211,8 @@ class Run:
 
 
 async def first_of(*aws, timeout=None):
-    """Waits for the first of some awaitables; returns the set of those done (maybe empty)."""
+    """Waits until the first of some awaitables is done (or `timeout`); returns whether each is
+    done, and their tasks. The others are cancelled."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     for t in pending:
