@@ -25,11 +25,11 @@ if [ ! -x "$venv/bin/python" ]; then
     fi
     python3 -m venv "$venv"
 fi
-if [ "${E2B_UPGRADE:-0}" = 1 ] || ! "$venv/bin/python" -c 'import e2b, pytest, pytest_asyncio, httpx' 2>/dev/null; then
+if [ "${E2B_UPGRADE:-0}" = 1 ] || ! "$venv/bin/python" -c 'import e2b, e2b_code_interpreter, PIL, pytest, pytest_asyncio, httpx' 2>/dev/null; then
     "$venv/bin/pip" install -q --upgrade pip
     "$venv/bin/pip" install -q --upgrade -r "$here/requirements.txt"
 fi
-echo "tests/e2b: e2b $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("e2b"))')"
+echo "tests/e2b: e2b $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("e2b"), "code-interpreter", m.version("e2b-code-interpreter"))')"
 # An older SDK, for a smoke test of the endpoints and wire forms it uses.
 venv_old="$here/.venv-old"
 [ -x "$venv_old/bin/python" ] || python3 -m venv "$venv_old"

@@ -339,13 +339,14 @@ pub(crate) fn mmdebstrap_args(
         "--verbose".into(),
         "--aptopt=Acquire::Retries \"3\"".into(),
     ];
-    if !recipe.packages.is_empty() {
-        args.push(format!("--include={}", recipe.packages.join(",")).into());
+    let packages: Vec<&str> = recipe.packages.concat();
+    if !packages.is_empty() {
+        args.push(format!("--include={}", packages.join(",")).into());
     }
-    for opt in recipe.dpkg_opts {
+    for opt in recipe.dpkg_opts.iter().copied().flatten() {
         args.push(format!("--dpkgopt={opt}").into());
     }
-    for hook in recipe.customize {
+    for hook in recipe.customize.iter().copied().flatten() {
         args.push(format!("--customize-hook={hook}").into());
     }
     // Nothing after "--" can be taken for an option, whatever the mirror says.
@@ -391,6 +392,40 @@ pub(crate) fn run_mmdebstrap(
     } else {
         Err(describe_exit("mmdebstrap", status))
     }
+}
+
+/// Writes the recipe's own files into the finished rootfs. Parent
+/// directories are created 0755; the build runs as root, so everything is
+/// root-owned and the sandbox user can read but not change it. Paths are
+/// the recipe's constants, never input, and the rootfs was just made by
+/// mmdebstrap, so no component can be a planted symlink.
+pub(crate) fn write_files(recipe: &Recipe, rootfs: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+    for f in recipe.files {
+        let rel = f.path.trim_start_matches('/');
+        let path = rootfs.join(rel);
+        let fail = |what: &str, e: io::Error| format!("cannot {what} {} in the image: {e}", f.path);
+        if let Some(dir) = path.parent() {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(dir)
+                .map_err(|e| fail("create the directory of", e))?;
+        }
+        let mut out = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(f.mode)
+            .open(&path)
+            .map_err(|e| fail("create", e))?;
+        out.write_all(f.contents.as_bytes())
+            .map_err(|e| fail("write", e))?;
+        // The umask may have narrowed the mode given at creation.
+        fs::set_permissions(&path, fs::Permissions::from_mode(f.mode))
+            .map_err(|e| fail("set the mode of", e))?;
+    }
+    Ok(())
 }
 
 fn describe_exit(what: &str, status: ExitStatus) -> String {

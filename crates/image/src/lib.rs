@@ -80,6 +80,37 @@ pub struct ImageMeta {
     pub env: Vec<(String, String)>,
     /// User that processes run as unless told otherwise (`"user"` or `"root"`).
     pub default_user: String,
+    /// A service every sandbox of the image runs (absent in images built
+    /// before this field existed, and in imported ones).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<StartCommand>,
+}
+
+/// A long-running service that every sandbox of an image starts, like an
+/// E2B template's start command: the code interpreter's server, say.
+///
+/// Whoever creates sandboxes for clients (`cordon serve`) starts it through
+/// the agent right after the sandbox is up and answers the create only once
+/// `ready_port` accepts connections, so a client never races the service.
+/// `cordon run` does not start it: a one-shot command does not need it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct StartCommand {
+    /// Program and arguments.
+    pub cmd: Vec<String>,
+    /// User it runs as.
+    pub user: String,
+    /// Working directory (default: the user's home).
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Environment on top of the sandbox's.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Ready once something listens on this loopback port inside the
+    /// sandbox; `None`: ready as soon as it has started.
+    #[serde(default)]
+    pub ready_port: Option<u16>,
+    /// How long readiness may take before the create fails.
+    pub ready_timeout_secs: u64,
 }
 
 /// An image in the store.
@@ -319,9 +350,20 @@ impl Store {
                     tail: log.tail(),
                 })?;
             stages.enter(build::STAGE_FINALIZING);
+            build::write_files(r, &rootfs).map_err(|reason| {
+                log.write(&format!("E: {reason}"));
+                ImageError::BuildFailed {
+                    name: name.into(),
+                    reason,
+                    log: log.path().to_owned(),
+                    tail: log.tail(),
+                }
+            })?;
             let missing: Vec<&str> = r
                 .must_exist
                 .iter()
+                .copied()
+                .flatten()
                 .copied()
                 .filter(|p| fs::symlink_metadata(rootfs.join(p)).is_err())
                 .collect();
@@ -349,6 +391,7 @@ impl Store {
                     .map(|(k, v)| (k.to_string(), v.to_string()))
                     .collect(),
                 default_user: r.default_user.into(),
+                start: r.start.as_ref().map(|s| s.to_command()),
             };
             self.finish(name, &staging, meta, &mut |l| {
                 log.write(l);
@@ -443,6 +486,7 @@ impl Store {
                 size_bytes: 0,
                 env: vec![("PATH".into(), recipe::DEFAULT_PATH.into())],
                 default_user: default_user.into(),
+                start: None,
             };
             self.finish(name, &staging, meta, &mut |l| stages.line(l))
         })();

@@ -209,10 +209,58 @@ fn name_validation() {
 
 #[test]
 fn recipe_table() {
-    assert_eq!(recipes(), &["base"]);
+    assert_eq!(recipes(), &["base", "code-interpreter-v1"]);
     for r in recipe::RECIPES {
         validate_name(r.name).unwrap();
+        for f in r.files {
+            assert!(f.path.starts_with('/'), "{}: {} is not absolute", r.name, f.path);
+            assert!(!f.contents.is_empty() && f.mode & 0o022 == 0, "{}: {}", r.name, f.path);
+            // The build checks that what it wrote is there.
+            let rel = f.path.trim_start_matches('/');
+            assert!(
+                r.must_exist.iter().any(|g| g.contains(&rel)) || f.path.starts_with("/etc/"),
+                "{}: {} is not checked",
+                r.name,
+                f.path
+            );
+        }
+        if let Some(s) = &r.start {
+            let cmd = s.to_command();
+            assert!(!cmd.cmd.is_empty() && cmd.ready_port.is_some() && cmd.ready_timeout_secs > 0);
+        }
     }
+    let ci = recipe::find("code-interpreter-v1").unwrap();
+    let start = ci.start.as_ref().unwrap().to_command();
+    assert_eq!(start.ready_port, Some(recipe::INTERP_PORT));
+    assert_eq!(start.user, "user");
+    // The interpreter image is the base image plus its own packages.
+    let all = ci.packages.concat();
+    for p in recipe::find("base").unwrap().packages.concat() {
+        assert!(all.contains(&p), "{p}");
+    }
+    assert!(all.contains(&"python3-ipykernel") && all.contains(&"python3-pandas"));
+}
+
+#[test]
+fn recipe_files_are_written_root_owned_with_their_mode() {
+    let t = TempDir::new("files");
+    let r = recipe::find("code-interpreter-v1").unwrap();
+    build::write_files(r, t.path()).unwrap();
+    let server = t.path().join("opt/cordon/interp/server.py");
+    let meta = fs::metadata(&server).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o644);
+    assert_eq!(
+        fs::metadata(server.parent().unwrap()).unwrap().permissions().mode() & 0o7777,
+        0o755
+    );
+    if fsutil::is_root() {
+        assert_eq!(meta.uid(), 0);
+    }
+    let text = fs::read_to_string(&server).unwrap();
+    assert!(text.contains("def translate("));
+    // Written again (a rebuild into a fresh root), the result is the same.
+    build::write_files(r, t.path()).unwrap();
+    assert_eq!(fs::read_to_string(&server).unwrap(), text);
 }
 
 #[test]
@@ -563,7 +611,7 @@ fn error_messages() {
             .build("xyz", &BuildOptions::default(), &mut NoProgress)
             .unwrap_err()
             .to_string(),
-        "unknown recipe 'xyz': known recipes are base"
+        "unknown recipe 'xyz': known recipes are base, code-interpreter-v1"
     );
     assert!(matches!(
         store.get("../etc"),
@@ -659,10 +707,20 @@ fn meta_json_roundtrip() {
         size_bytes: 2,
         env: vec![("LANG".into(), "C.UTF-8".into())],
         default_user: "user".into(),
+        start: None,
     };
     let j = serde_json::to_string(&m).unwrap();
     assert!(j.contains(r#""env":[["LANG","C.UTF-8"]]"#), "{j}");
+    assert!(!j.contains("start"), "no start command, no field: {j}");
     assert_eq!(serde_json::from_str::<ImageMeta>(&j).unwrap(), m);
+
+    let with_start = ImageMeta {
+        start: Some(recipe::find("code-interpreter-v1").unwrap().start.as_ref().unwrap().to_command()),
+        ..m
+    };
+    let j = serde_json::to_string(&with_start).unwrap();
+    assert!(j.contains(r#""ready_port":49999"#), "{j}");
+    assert_eq!(serde_json::from_str::<ImageMeta>(&j).unwrap(), with_start);
 }
 
 /// Builds the real base image with mmdebstrap (network, root, 1-3 minutes).

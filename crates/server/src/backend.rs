@@ -116,6 +116,10 @@ pub trait Instance: Send {
     fn set_network(&self, _policy: NetworkPolicy) -> Result<(), String> {
         Err("this sandbox was created without a network policy, or its tier cannot change one".into())
     }
+    /// The service the sandbox's image starts in every sandbox (see [`crate::start`]).
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        None
+    }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), String>;
 }
@@ -125,10 +129,35 @@ pub trait Backend: Send + Sync {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError>;
 }
 
-/// The image `template` names in `store`, or a message listing the known ones.
+/// Build progress of an image built on first use, into the server's log.
+struct LogProgress<'a>(&'a str);
+
+impl cordon_image::Progress for LogProgress<'_> {
+    fn stage(&mut self, index: usize, total: usize, name: &str) {
+        tracing::info!(image = self.0, "building: step {}/{total}: {name}", index + 1);
+    }
+
+    fn line(&mut self, text: &str) {
+        tracing::debug!(image = self.0, "build: {text}");
+    }
+}
+
+/// The image `template` names in `store`, or a message listing the known ones. A built-in
+/// recipe that is not built yet (say `code-interpreter-v1`) is built now, as `cordon run` does:
+/// creates of it wait for the build (minutes, once), and a build that outlives its client's
+/// request still finishes.
 fn image_of(store: &cordon_image::Store, template: &str) -> Result<cordon_image::Image, BackendError> {
     match store.get(template) {
         Ok(img) => Ok(img),
+        Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&template) => {
+            tracing::info!(image = template, "template not built yet: building it from its recipe");
+            let started = std::time::Instant::now();
+            let img = store
+                .build(template, &Default::default(), &mut LogProgress(template))
+                .map_err(|e| BackendError::Failed(format!("building the image of template '{template}': {e}")))?;
+            tracing::info!(image = template, secs = started.elapsed().as_secs(), size = img.meta.size_bytes, "image built");
+            Ok(img)
+        }
         Err(cordon_image::ImageError::NotFound { .. }) => {
             let known: Vec<String> = store.list().unwrap_or_default().into_iter().map(|i| i.name).collect();
             Err(BackendError::UnknownTemplate(format!(
@@ -244,7 +273,7 @@ impl JailBackend {
     }
 }
 
-struct JailInstance(cordon_jail::Sandbox, Option<cordon_net::Egress>);
+struct JailInstance(cordon_jail::Sandbox, Option<cordon_net::Egress>, Option<cordon_image::StartCommand>);
 
 impl Instance for JailInstance {
     fn socket_path(&self) -> &Path {
@@ -299,6 +328,10 @@ impl Instance for JailInstance {
             }
             None => Err("this sandbox was created without network access; create it with a policy to change one".into()),
         }
+    }
+
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        self.2.as_ref()
     }
 
     fn destroy(&mut self) -> Result<(), String> {
@@ -366,7 +399,7 @@ impl Backend for JailBackend {
             }
             None => None,
         };
-        Ok(Box::new(JailInstance(sb, egress)))
+        Ok(Box::new(JailInstance(sb, egress, image.meta.start.clone())))
     }
 }
 
@@ -384,7 +417,7 @@ impl GvisorBackend {
     }
 }
 
-struct GvisorInstance(cordon_gvisor::Sandbox);
+struct GvisorInstance(cordon_gvisor::Sandbox, Option<cordon_image::StartCommand>);
 
 impl Instance for GvisorInstance {
     fn socket_path(&self) -> &Path {
@@ -419,6 +452,10 @@ impl Instance for GvisorInstance {
         self.0.cgroup().peak_memory()
     }
 
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        self.1.as_ref()
+    }
+
     fn destroy(&mut self) -> Result<(), String> {
         self.0.destroy().map_err(|e| e.to_string())
     }
@@ -444,7 +481,7 @@ impl Backend for GvisorBackend {
             )],
         };
         let sb = self.gv.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
-        Ok(Box::new(GvisorInstance(sb)))
+        Ok(Box::new(GvisorInstance(sb, image.meta.start.clone())))
     }
 }
 
@@ -462,7 +499,7 @@ impl VmBackend {
     }
 }
 
-struct VmInstance(cordon_vm::Vm);
+struct VmInstance(cordon_vm::Vm, Option<cordon_image::StartCommand>);
 
 impl Instance for VmInstance {
     fn socket_path(&self) -> &Path {
@@ -493,6 +530,10 @@ impl Instance for VmInstance {
         self.0.peak_memory()
     }
 
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        self.1.as_ref()
+    }
+
     fn destroy(&mut self) -> Result<(), String> {
         self.0.destroy().map_err(|e| e.to_string())
     }
@@ -516,7 +557,7 @@ impl Backend for VmBackend {
             agent: agent_config(spec, &image, self.envd_version.as_deref()),
         };
         let vm = self.tier.create(&cfg, &prep).map_err(vm_err)?;
-        Ok(Box::new(VmInstance(vm)))
+        Ok(Box::new(VmInstance(vm, image.meta.start.clone())))
     }
 }
 

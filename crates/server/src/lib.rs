@@ -19,6 +19,7 @@ pub mod proxy;
 pub mod query;
 pub mod registry;
 pub mod routes;
+pub mod start;
 
 use std::convert::Infallible;
 use std::future::Future;

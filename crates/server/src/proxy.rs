@@ -171,6 +171,23 @@ fn wants_upgrade<B>(req: &Request<B>) -> bool {
         })
 }
 
+/// Whether something inside the sandbox accepts connections on `port`: the agent answers the
+/// forwarding request with 101 only after it connected to the port. The connection is then
+/// dropped unused.
+pub async fn port_open(socket: &Path, port: u16) -> Result<bool, ProxyError> {
+    let stream = UnixStream::connect(socket).await.map_err(ProxyError::Connect)?;
+    let (mut sender, conn) = http1::handshake::<_, Empty<Bytes>>(TokioIo::new(stream)).await?;
+    tokio::spawn(conn.with_upgrades());
+    let up = Request::get(format!("{FORWARD_PREFIX}{port}"))
+        .header(HOST, "cordon-agent")
+        .header(CONNECTION, "upgrade")
+        .header(UPGRADE, FORWARD_PROTOCOL)
+        .body(Empty::new())
+        .map_err(|e| ProxyError::Port(e.to_string()))?;
+    let resp = sender.send_request(up).await?;
+    Ok(resp.status() == StatusCode::SWITCHING_PROTOCOLS)
+}
+
 async fn forward(socket: &Path, port: u16, mut req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
     // A user port may switch protocols (a websocket server, say): then the upgrade headers
     // must reach it, and after its 101 both upgraded connections are spliced together.

@@ -179,6 +179,7 @@ impl Sandboxes {
             })?;
         let socket = instance.socket_path().to_path_buf();
         let death = instance.death_fd();
+        let start_command = instance.start_command().cloned();
         let entry = Arc::new(Entry {
             id: spec.id.clone(),
             tier: req.tier,
@@ -199,6 +200,13 @@ impl Sandboxes {
         if let Err(e) = wait_ready(&socket).await {
             destroy(&entry).await;
             return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
+        }
+        if let Some(start) = &start_command {
+            if let Err(e) = crate::start::run(&socket, start).await {
+                destroy(&entry).await;
+                tracing::warn!(sandbox = %entry.id, template = %entry.template, "start command failed: {e}");
+                return Err(ApiError::internal(format!("template '{}': {e}", entry.template)));
+            }
         }
         self.write().insert(entry.id.clone(), entry.clone());
         if let Some(fd) = death {

@@ -25,6 +25,7 @@ struct InProcess {
 struct InProcessInstance {
     socket: PathBuf,
     task: tokio::task::JoinHandle<()>,
+    start: Option<cordon_image::StartCommand>,
 }
 
 impl Instance for InProcessInstance {
@@ -37,6 +38,9 @@ impl Instance for InProcessInstance {
     fn memory_current(&self) -> u64 {
         1 << 20
     }
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        self.start.as_ref()
+    }
     fn destroy(&mut self) -> Result<(), String> {
         self.task.abort();
         let _ = std::fs::remove_file(&self.socket);
@@ -46,9 +50,22 @@ impl Instance for InProcessInstance {
 
 impl Backend for InProcess {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
-        if spec.template != "base" {
-            return Err(BackendError::UnknownTemplate(format!("template '{}' not found", spec.template)));
-        }
+        // `svc-<port>`: a template whose start command serves on <port> after a pause;
+        // `svc-broken`: one whose start command fails.
+        let start = match spec.template.as_str() {
+            "base" => None,
+            "svc-broken" => Some(start_command("echo missing-config-file >&2; exit 3", Some(1))),
+            t => match t.strip_prefix("svc-").and_then(|p| p.parse::<u16>().ok()) {
+                Some(port) => Some(start_command(
+                    &format!(
+                        "exec python3 -c 'import socket, time; time.sleep(0.4); s = socket.socket(); \
+                         s.bind((\"127.0.0.1\", {port})); s.listen(); time.sleep(20)'"
+                    ),
+                    Some(port),
+                )),
+                None => return Err(BackendError::UnknownTemplate(format!("template '{}' not found", spec.template))),
+            },
+        };
         let socket = self.dir.join(format!("{}.sock", spec.id));
         let l = std::os::unix::net::UnixListener::bind(&socket).map_err(|e| BackendError::Failed(e.to_string()))?;
         l.set_nonblocking(true).map_err(|e| BackendError::Failed(e.to_string()))?;
@@ -65,7 +82,18 @@ impl Backend for InProcess {
             let l = tokio::net::UnixListener::from_std(l).expect("listener");
             let _ = cordon_agent::serve(l, cfg).await;
         });
-        Ok(Box::new(InProcessInstance { socket, task }))
+        Ok(Box::new(InProcessInstance { socket, task, start }))
+    }
+}
+
+fn start_command(script: &str, ready_port: Option<u16>) -> cordon_image::StartCommand {
+    cordon_image::StartCommand {
+        cmd: vec!["sh".into(), "-c".into(), script.into()],
+        user: "root".into(),
+        cwd: Some("/".into()),
+        env: vec![],
+        ready_port,
+        ready_timeout_secs: 20,
     }
 }
 
@@ -330,4 +358,37 @@ async fn other_ports_are_forwarded_through_the_agent() {
     let r = call(s.addr, Method::GET, "/", &[("e2b-sandbox-id", &id), ("e2b-sandbox-port", "1")], "").await;
     assert_eq!(r.status, StatusCode::BAD_GATEWAY);
     assert!(r.json()["message"].as_str().unwrap().contains("port is not open"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_waits_for_the_start_command_and_reports_its_failure() {
+    let s = start(10).await;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let begun = std::time::Instant::now();
+    let (id, token) = create(s.addr, json!({"templateID": format!("svc-{port}")})).await;
+    // Answered only once the service listens: no retry needed by the client.
+    assert!(begun.elapsed() >= Duration::from_millis(400));
+    std::net::TcpStream::connect(("127.0.0.1", port)).expect("the service listens once create returns");
+    // It is an ordinary process of the sandbox, tagged so that it can be found.
+    let r = call(
+        s.addr,
+        Method::POST,
+        "/process.Process/List",
+        &[("e2b-sandbox-id", &id), ("e2b-sandbox-port", "49983"), ("x-access-token", &token), ("content-type", "application/json")],
+        "{}",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.json()["processes"].as_array().unwrap().iter().any(|p| p["tag"] == json!("start")), "{:?}", r.json());
+
+    let r = api(s.addr, Method::POST, "/v2/sandboxes", r#"{"templateID": "svc-broken"}"#).await;
+    assert_error(&r, StatusCode::INTERNAL_SERVER_ERROR);
+    let msg = r.json()["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("exit status 3") && msg.contains("missing-config-file"), "{msg}");
+    // The failed sandbox is gone, not half-made.
+    let r = api(s.addr, Method::GET, "/v2/sandboxes", "").await;
+    assert_eq!(r.json().as_array().unwrap().len(), 1, "{:?}", r.json());
 }

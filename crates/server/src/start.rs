@@ -1,0 +1,155 @@
+//! An image's start command: the service every sandbox of the image runs (the code
+//! interpreter's server on port 49999, for `code-interpreter-v1`), like an E2B template's.
+//!
+//! It goes through the agent like any command (so it runs as the sandbox's user, under the
+//! sandbox's caps, in every tier), and the create is answered only once the service's port
+//! accepts connections inside the sandbox. Its output is kept until then, so that a service
+//! that dies on the way says why in the create's error.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cordon_envd::process::{DataEvent, ProcessConfig, ProcessEvent, StartRequest};
+use cordon_envd::EnvdClient;
+use cordon_image::StartCommand;
+
+/// The tag the start command's process gets (`commands.connect`-able by it).
+pub const TAG: &str = "start";
+/// Output kept for the error message of a start command that fails.
+const TAIL_BYTES: usize = 2048;
+/// Readiness polling: the first checks come quickly (a service that binds at once costs
+/// little), later ones back off.
+const FIRST_POLL: Duration = Duration::from_millis(5);
+const MAX_POLL: Duration = Duration::from_millis(50);
+
+/// Why a start command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("the image's start command is empty")]
+    Empty,
+    #[error("cannot start `{cmd}`: {reason}")]
+    Spawn { cmd: String, reason: String },
+    #[error("`{cmd}` ended ({how}) before port {port} opened{output}")]
+    Exited { cmd: String, how: String, port: u16, output: String },
+    #[error("`{cmd}` did not open port {port} within {secs}s{output}")]
+    NotReady { cmd: String, port: u16, secs: u64, output: String },
+    #[error("cannot check port {port}: {reason}")]
+    Probe { port: u16, reason: String },
+}
+
+/// The last bytes a process printed, for an error message.
+#[derive(Default)]
+struct Tail(Vec<u8>);
+
+impl Tail {
+    fn push(&mut self, b: &[u8]) {
+        self.0.extend_from_slice(b);
+        if self.0.len() > TAIL_BYTES {
+            self.0.drain(..self.0.len() - TAIL_BYTES);
+        }
+    }
+
+    fn shown(&self) -> String {
+        let text = String::from_utf8_lossy(&self.0);
+        let text = text.trim();
+        if text.is_empty() {
+            String::new()
+        } else {
+            format!("; its last output:\n{text}")
+        }
+    }
+}
+
+/// Starts `start` in the sandbox behind `socket` and waits until it is ready.
+pub async fn run(socket: &Path, start: &StartCommand) -> Result<(), StartError> {
+    let (program, args) = start.cmd.split_first().ok_or(StartError::Empty)?;
+    let shown = start.cmd.join(" ");
+    let client = EnvdClient::new(socket.to_path_buf());
+    let req = StartRequest {
+        process: Some(ProcessConfig {
+            cmd: program.clone(),
+            args: args.to_vec(),
+            envs: start.env.iter().cloned().collect(),
+            cwd: start.cwd.clone(),
+        }),
+        pty: None,
+        tag: Some(TAG.into()),
+        stdin: Some(false),
+    };
+    let started = Instant::now();
+    let mut stream = client
+        .start(req, Some(start.user.as_str()), None)
+        .await
+        .map_err(|e| StartError::Spawn { cmd: shown.clone(), reason: e.to_string() })?;
+    tracing::debug!(pid = stream.pid(), cmd = %shown, "start command running");
+    let Some(port) = start.ready_port else {
+        // Nothing to wait for. Dropping the stream leaves the process running: the agent never
+        // ends a process because its client went away.
+        return Ok(());
+    };
+    let deadline = started + Duration::from_secs(start.ready_timeout_secs);
+    let mut tail = Tail::default();
+    let mut delay = FIRST_POLL;
+    let mut next_probe = Instant::now();
+    loop {
+        let now = Instant::now();
+        if now >= next_probe {
+            match crate::proxy::port_open(socket, port).await {
+                Ok(true) => {
+                    tracing::debug!(port, ms = started.elapsed().as_millis() as u64, "start command ready");
+                    return Ok(());
+                }
+                Ok(false) => {}
+                Err(e) => return Err(StartError::Probe { port, reason: e.to_string() }),
+            }
+            if Instant::now() >= deadline {
+                return Err(StartError::NotReady {
+                    cmd: shown,
+                    port,
+                    secs: start.ready_timeout_secs,
+                    output: tail.shown(),
+                });
+            }
+            next_probe = Instant::now() + delay;
+            delay = (delay * 2).min(MAX_POLL);
+        }
+        // Meanwhile, keep its output and notice if it ends.
+        match tokio::time::timeout_at(next_probe.into(), stream.next()).await {
+            Err(_) => {}
+            Ok(Some(Ok(ProcessEvent::Data(DataEvent::Stdout(b) | DataEvent::Stderr(b) | DataEvent::Pty(b))))) => {
+                tail.push(&b)
+            }
+            Ok(Some(Ok(ProcessEvent::End(end)))) => {
+                let how = if end.status.is_empty() { format!("exit code {}", end.exit_code) } else { end.status };
+                return Err(StartError::Exited { cmd: shown, how, port, output: tail.shown() });
+            }
+            Ok(Some(Ok(_))) => {}
+            Ok(Some(Err(e))) => {
+                return Err(StartError::Exited { cmd: shown, how: e.to_string(), port, output: tail.shown() })
+            }
+            Ok(None) => {
+                return Err(StartError::Exited {
+                    cmd: shown,
+                    how: "its output stream closed".into(),
+                    port,
+                    output: tail.shown(),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_keeps_the_end() {
+        let mut t = Tail::default();
+        t.push(&vec![b'a'; TAIL_BYTES]);
+        t.push(b"\nTraceback: boom\n");
+        assert_eq!(t.0.len(), TAIL_BYTES);
+        assert!(t.shown().ends_with("Traceback: boom"));
+        assert_eq!(Tail::default().shown(), "");
+    }
+}
