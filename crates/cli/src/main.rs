@@ -7,6 +7,7 @@
 
 mod doctor;
 mod image_cmd;
+mod mcp;
 mod progress;
 mod run;
 mod serve;
@@ -41,6 +42,8 @@ enum Command {
     Doctor,
     /// Serve the E2B API (control plane and sandbox traffic) on one port.
     Serve(serve::ServeArgs),
+    /// Serve sandboxes as tools to an MCP client (stdio, or streamable HTTP with --http).
+    Mcp(mcp::McpArgs),
 }
 
 /// An error the user caused (bad flag, unknown image): exit code 2.
@@ -88,6 +91,7 @@ fn main() -> ExitCode {
         Command::Image(c) => image_cmd::main(&state, c).map(|()| 0),
         Command::Doctor => doctor::main(&state),
         Command::Serve(a) => serve::main(&state, a),
+        Command::Mcp(a) => mcp::main(&state, a),
     };
     match result {
         Ok(code) => ExitCode::from(code),

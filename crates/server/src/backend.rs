@@ -47,6 +47,10 @@ pub trait Instance: Send {
     fn disk_usage(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// How many times the kernel's OOM killer has struck in it so far.
+    fn oom_kills(&self) -> u64 {
+        0
+    }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), String>;
 }
@@ -91,6 +95,10 @@ impl Instance for JailInstance {
 
     fn disk_usage(&self) -> (u64, u64) {
         self.0.disk_usage()
+    }
+
+    fn oom_kills(&self) -> u64 {
+        self.0.oom_kills()
     }
 
     fn destroy(&mut self) -> Result<(), String> {
