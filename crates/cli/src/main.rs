@@ -8,6 +8,7 @@
 
 mod doctor;
 mod image_cmd;
+mod mcp;
 mod progress;
 mod run;
 mod serve;
@@ -46,6 +47,8 @@ enum Command {
     /// The VMM command line of a bare boot of the vm tier's kit (for the bench).
     #[command(name = "__vm-boot-args", hide = true)]
     VmBootArgs,
+    /// Serve sandboxes as tools to an MCP client (stdio, or streamable HTTP with --http).
+    Mcp(mcp::McpArgs),
 }
 
 /// An error the user caused (bad flag, unknown image): exit code 2.
@@ -97,6 +100,7 @@ fn main() -> ExitCode {
         Command::Doctor => doctor::main(&state),
         Command::Serve(a) => serve::main(&state, a),
         Command::VmBootArgs => vm::boot_args(&state),
+        Command::Mcp(a) => mcp::main(&state, a),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -1,0 +1,238 @@
+//! The sandboxes this server owns: one per MCP session, made lazily through a [`Backend`], and
+//! all of them in one [`Pool`] so that shutdown can destroy whatever is still alive.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cordon_server::backend::{Backend, BackendError, CreateSpec, Instance};
+
+use crate::config::Config;
+
+/// How long a new sandbox's agent may take to answer `/health`.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A live sandbox as a session sees it: enough to talk to its agent.
+#[derive(Debug, Clone)]
+pub struct Live {
+    pub id: String,
+    pub socket: PathBuf,
+}
+
+impl Live {
+    pub fn client(&self) -> cordon_envd::EnvdClient {
+        cordon_envd::EnvdClient::new(self.socket.clone())
+    }
+}
+
+/// Every live sandbox of this server, by id. The instances live only here.
+pub struct Pool {
+    backend: Arc<dyn Backend>,
+    config: Config,
+    live: Mutex<HashMap<String, Box<dyn Instance>>>,
+}
+
+impl Pool {
+    pub fn new(backend: Arc<dyn Backend>, config: Config) -> Arc<Pool> {
+        Arc::new(Pool { backend, config, live: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Box<dyn Instance>>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How many sandboxes are alive.
+    pub fn len(&self) -> usize {
+        self.live().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Creates a sandbox with the operator's settings and returns once its agent answers.
+    pub async fn create(&self) -> Result<Live, String> {
+        let c = &self.config;
+        let limits = cordon_spec::Limits {
+            memory_bytes: c.memory_mb << 20,
+            cpus: c.cpus as f64,
+            disk_bytes: c.disk_mb << 20,
+            // Each call has its own timeout; the sandbox lives as long as the session.
+            timeout: cordon_server::backend::SERVER_BACKSTOP,
+            ..Default::default()
+        };
+        let mut spec = CreateSpec::new(cordon_jail::new_id(), c.tier, c.image.clone(), limits);
+        spec.network = c.network.clone();
+        let started = Instant::now();
+        let backend = self.backend.clone();
+        let spec2 = spec.clone();
+        let instance = tokio::task::spawn_blocking(move || backend.create(&spec2))
+            .await
+            .map_err(|e| format!("sandbox creation panicked: {e}"))?
+            .map_err(|e| match e {
+                BackendError::UnknownTemplate(m) | BackendError::BadRequest(m) | BackendError::Unavailable(m) => m,
+                BackendError::Failed(m) => format!("cannot create the sandbox: {m}"),
+            })?;
+        let live = Live { id: spec.id.clone(), socket: instance.socket_path().to_path_buf() };
+        self.live().insert(spec.id.clone(), instance);
+        if let Err(e) = wait_ready(&live).await {
+            self.destroy(&live.id).await;
+            return Err(format!("the sandbox's agent did not start: {e}"));
+        }
+        tracing::info!(sandbox = %live.id, image = %c.image, ms = started.elapsed().as_millis() as u64, "sandbox created");
+        Ok(live)
+    }
+
+    /// The OOM kill count of a sandbox (0 once it is gone).
+    pub fn oom_kills(&self, id: &str) -> u64 {
+        self.live().get(id).map_or(0, |i| i.oom_kills())
+    }
+
+    /// Whether the sandbox's init is still alive, as far as the backend can tell.
+    pub fn is_dead(&self, id: &str) -> bool {
+        let Some(fd) = self.live().get(id).and_then(|i| i.death_fd()) else { return false };
+        let mut p = libc_pollfd(&fd);
+        // SAFETY: one valid pollfd, zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        n > 0 && p.revents & libc::POLLIN != 0
+    }
+
+    /// Destroys one sandbox, waiting for its teardown.
+    pub async fn destroy(&self, id: &str) {
+        let Some(instance) = self.live().remove(id) else { return };
+        let id = id.to_string();
+        match tokio::task::spawn_blocking(move || destroy_instance(&id, instance)).await {
+            Ok(()) => {}
+            Err(e) => tracing::warn!("teardown panicked: {e}"),
+        }
+    }
+
+    /// Destroys one sandbox from synchronous code (a session's `Drop`), before returning.
+    pub fn destroy_now(&self, id: &str) {
+        let Some(instance) = self.live().remove(id) else { return };
+        let id = id.to_string();
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| destroy_instance(&id, instance))
+            }
+            _ => destroy_instance(&id, instance),
+        }
+    }
+
+    /// Destroys every sandbox (shutdown).
+    pub async fn destroy_all(&self) {
+        let all: Vec<(String, Box<dyn Instance>)> = self.live().drain().collect();
+        let n = all.len();
+        let tasks: Vec<_> =
+            all.into_iter().map(|(id, i)| tokio::task::spawn_blocking(move || destroy_instance(&id, i))).collect();
+        for t in tasks {
+            let _ = t.await;
+        }
+        if n > 0 {
+            tracing::info!(count = n, "all sandboxes destroyed");
+        }
+    }
+}
+
+fn libc_pollfd(fd: &std::os::fd::OwnedFd) -> libc::pollfd {
+    use std::os::fd::AsRawFd;
+    libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }
+}
+
+fn destroy_instance(id: &str, mut instance: Box<dyn Instance>) {
+    match instance.destroy() {
+        Ok(()) => tracing::info!(sandbox = %id, "sandbox destroyed"),
+        Err(e) => tracing::warn!(sandbox = %id, "teardown: {e}"),
+    }
+}
+
+async fn wait_ready(live: &Live) -> Result<(), String> {
+    let client = live.client();
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let mut delay = Duration::from_millis(2);
+    loop {
+        match tokio::time::timeout(Duration::from_secs(2), client.health()).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) if Instant::now() >= deadline => return Err(e.to_string()),
+            Err(_) if Instant::now() >= deadline => return Err("no answer to /health".into()),
+            _ => {}
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// One MCP session's claim on a sandbox: none until the first tool call needs one; dropped with
+/// the session, which destroys the sandbox.
+pub struct SessionSandbox {
+    pool: Arc<Pool>,
+    current: Mutex<Option<Live>>,
+    /// Serialises creation, so that concurrent first calls share one sandbox.
+    creating: tokio::sync::Mutex<()>,
+}
+
+impl SessionSandbox {
+    pub fn new(pool: Arc<Pool>) -> SessionSandbox {
+        SessionSandbox { pool, current: Mutex::new(None), creating: tokio::sync::Mutex::new(()) }
+    }
+
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    fn current(&self) -> std::sync::MutexGuard<'_, Option<Live>> {
+        self.current.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The session's sandbox, created now if it has none; `true` when it was just created.
+    pub async fn get(&self) -> Result<(Live, bool), String> {
+        if let Some(l) = self.current().clone() {
+            return Ok((l, false));
+        }
+        let _g = self.creating.lock().await;
+        if let Some(l) = self.current().clone() {
+            return Ok((l, false));
+        }
+        let live = self.pool.create().await?;
+        *self.current() = Some(live.clone());
+        Ok((live, true))
+    }
+
+    /// Throws the sandbox away (if there is one); the next call gets a fresh one. Returns the id
+    /// of the one destroyed.
+    pub async fn reset(&self) -> Option<String> {
+        let _g = self.creating.lock().await;
+        let old = self.current().take()?;
+        self.pool.destroy(&old.id).await;
+        Some(old.id)
+    }
+
+    /// Forgets `id` if it is still the session's sandbox, destroying what is left of it (used
+    /// when it died under a call).
+    pub async fn discard(&self, id: &str) {
+        let mine = {
+            let mut cur = self.current();
+            if cur.as_ref().is_some_and(|l| l.id == id) {
+                cur.take()
+            } else {
+                None
+            }
+        };
+        if mine.is_some() {
+            self.pool.destroy(id).await;
+        }
+    }
+}
+
+impl Drop for SessionSandbox {
+    fn drop(&mut self) {
+        if let Some(live) = self.current().take() {
+            self.pool.destroy_now(&live.id);
+        }
+    }
+}
