@@ -89,6 +89,7 @@ pub fn main(state: &State, a: McpArgs) -> Result<u8> {
             addr.port()
         )));
     }
+    cordon_server::backend::check_network_tier(cfg.tier, &cfg.network).map_err(|e| usage(e.to_string()))?;
     let dns_upstream = match &a.dns_upstream {
         Some(u) => Some(cordon_net::parse_upstream(u).map_err(|e| usage(format!("--dns-upstream: {e}")))?),
         None => None,

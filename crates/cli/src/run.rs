@@ -155,6 +155,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
         None => None,
     };
     let copies = a.copy.iter().map(|c| parse_copy(c)).collect::<Result<Vec<_>>>()?;
+    cordon_server::backend::check_network_tier(spec.tier, &spec.network).map_err(|e| usage(e.to_string()))?;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Err(usage(format!(

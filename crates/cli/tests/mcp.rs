@@ -330,10 +330,11 @@ fn bad_flags_are_one_line_usage_errors() {
         (&["--cpus", "0"][..], "--cpus"),
         (&["--memory", "lots"][..], "--memory"),
         (&["--timeout", "20m"][..], "--max-timeout"),
-        (&["--tier", "vm"][..], "tier"),
+        (&["--tier", "warp"][..], "tier"),
+        (&["--tier", "gvisor", "--allow-net", "pypi.org"][..], "ns tier"),
         (&["--image", "no-such-image-x"][..], "no-such-image-x"),
         (&["--http", "0.0.0.0:7000"][..], "loopback"),
-        (&["--allow-net", "pypi.org"][..], "--allow-net"),
+        (&["--allow-net", "198.51.100.0/99"][..], "--allow-net"),
     ] {
         let out = cordon().arg("mcp").args(flags).stdin(Stdio::null()).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

@@ -213,7 +213,7 @@ fn bad_input_gets_one_line_and_exit_2() {
         &["run", "--image", "no-such-image", "--", "true"],
         &["run", "--memory", "12XB", "--", "true"],
         &["run"],
-        &["run", "--tier", "vm", "--", "true"],
+        &["run", "--tier", "vm", "--allow-net", "pypi.org", "--", "true"],
         &["run", "--tier", "warp", "--", "true"],
         &["run", "--cpus", "lots", "--", "true"],
         &["run", "--env", "NOEQUALS", "--", "true"],

@@ -353,14 +353,18 @@ fn landlock_ports(policy: &NetworkPolicy) -> Option<Vec<(u16, u16)>> {
 }
 
 /// Tiers without the egress forwarder refuse a policy rather than run with less than was asked.
-fn refuse_network(spec: &CreateSpec) -> Result<(), BackendError> {
-    if spec.network.is_enabled() {
+/// Front ends call it before anything is built; the backends check again.
+pub fn check_network_tier(tier: Tier, network: &NetworkPolicy) -> Result<(), BackendError> {
+    if tier != Tier::Ns && network.is_enabled() {
         return Err(BackendError::BadRequest(format!(
-            "network allowlists are enforced on the ns tier only so far; the {} tier runs with no network: drop the network rules or use the ns tier",
-            spec.tier
+            "network allowlists are enforced on the ns tier only so far; the {tier} tier runs with no network: drop the network rules or use the ns tier"
         )));
     }
     Ok(())
+}
+
+fn refuse_network(spec: &CreateSpec) -> Result<(), BackendError> {
+    check_network_tier(spec.tier, &spec.network)
 }
 
 impl Backend for JailBackend {
