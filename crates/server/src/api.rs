@@ -73,7 +73,12 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
             connect(app, &id, req).await
         }
         (&Method::GET, false, ["sandboxes", id, "metrics"]) => metrics(app, id),
-        (_, false, ["sandboxes", _, op @ ("pause" | "resume" | "snapshots" | "fork" | "network" | "refreshes")]) => Err(
+        (&Method::GET, false, ["sandboxes", id, "audit"]) => audit(app, id),
+        (&Method::PUT, false, ["sandboxes", id, "network"]) => {
+            let id = id.to_string();
+            update_network(app, &id, req).await
+        }
+        (_, false, ["sandboxes", _, op @ ("pause" | "resume" | "snapshots" | "fork" | "refreshes")]) => Err(
             ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("'{op}' is not supported by cordon: sandboxes run until killed or timed out")).no_retry(),
         ),
         _ => Err(ApiError::not_found(format!("no API endpoint {method} {path}"))),
@@ -109,6 +114,27 @@ struct CreateBody {
     #[serde(rename = "diskSizeMB")]
     disk_mb: Option<u64>,
     tier: Option<String>,
+    /// Old SDKs always send `true`; cordon's default is closed either way, and only `network`
+    /// rules open it. `false` keeps it closed even when rules are given.
+    allow_internet_access: Option<bool>,
+    network: Option<NetworkBody>,
+}
+
+/// E2B's network config: `allowOut` and `denyOut` take cordon's rule forms (domain,
+/// `*.domain`, IP or CIDR, each with an optional `:PORT`). Other keys are accepted and ignored.
+#[derive(Deserialize, Default)]
+struct NetworkBody {
+    #[serde(rename = "allowOut", default)]
+    allow_out: Vec<String>,
+    #[serde(rename = "denyOut", default)]
+    deny_out: Vec<String>,
+}
+
+impl NetworkBody {
+    fn policy(&self) -> Result<cordon_spec::NetworkPolicy, ApiError> {
+        cordon_spec::NetworkPolicy::parse(&self.allow_out, &self.deny_out)
+            .map_err(|e| ApiError::bad_request(format!("network: {}", e.reason)))
+    }
 }
 
 fn timeout_from(t: Option<i64>, default: u64) -> Result<Duration, ApiError> {
@@ -153,6 +179,11 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
         };
         return Err(ApiError::bad_request(format!("{field}: {}", e.reason)));
     }
+    let network = match (b.allow_internet_access, &b.network) {
+        (Some(false), _) | (_, None) => cordon_spec::NetworkPolicy::default(),
+        (_, Some(n)) => n.policy()?,
+    };
+    crate::backend::check_network_tier(tier, &network).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let entry = app
         .sandboxes
         .create(NewSandbox {
@@ -164,6 +195,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             cpu_count,
             memory_mb,
             disk_mb,
+            network,
         })
         .await?;
     Ok(json_response(StatusCode::CREATED, &sandbox_json(&entry)))
@@ -278,6 +310,26 @@ fn metrics(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
         "diskTotal": if disk_total > 0 { disk_total } else { e.disk_mb << 20 },
     });
     Ok(json_response(StatusCode::OK, &json!([m])))
+}
+
+/// cordon's extension: what the sandbox's filters refused so far (syscalls and network attempts).
+fn audit(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
+    let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"sandboxID": e.id, "deniedSyscalls": e.denials(), "blockedConnections": e.blocked()}),
+    ))
+}
+
+/// E2B's `update_network`: the new rules replace the old for new connections. A sandbox
+/// created without network rules has no interface to open, so it is refused rather than
+/// pretending.
+async fn update_network(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let b: NetworkBody = read_json(req, true).await?;
+    let policy = b.policy()?;
+    let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
+    e.set_network(policy).map_err(|m| ApiError::new(StatusCode::CONFLICT, m).no_retry())?;
+    Ok(empty(StatusCode::NO_CONTENT))
 }
 
 /// Page order: oldest first, ties broken by id, so that a token names a stable position.

@@ -68,6 +68,21 @@ impl Entry {
     pub fn disk_usage(&self) -> (u64, u64) {
         self.with_instance((0, 0), |i| i.disk_usage())
     }
+
+    /// The syscalls its filter denied so far.
+    pub fn denials(&self) -> Vec<crate::backend::Denial> {
+        self.with_instance(Vec::new(), |i| i.denials())
+    }
+
+    /// The network attempts its egress policy blocked so far.
+    pub fn blocked(&self) -> Vec<crate::backend::Blocked> {
+        self.with_instance(Vec::new(), |i| i.blocked())
+    }
+
+    /// Replaces its egress policy (new connections only).
+    pub fn set_network(&self, policy: cordon_spec::NetworkPolicy) -> Result<(), String> {
+        self.with_instance(Err("the sandbox is gone".into()), |i| i.set_network(policy))
+    }
 }
 
 /// What a create asks for, before it has an id.
@@ -80,6 +95,7 @@ pub struct NewSandbox {
     pub cpu_count: u32,
     pub memory_mb: u64,
     pub disk_mb: u64,
+    pub network: cordon_spec::NetworkPolicy,
 }
 
 /// The registry.
@@ -163,6 +179,9 @@ impl Sandboxes {
         };
         let mut spec = CreateSpec::new(cordon_jail::new_id(), req.tier, req.template.clone(), limits);
         spec.env_vars = req.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        spec.network = req.network;
+        // The audit trail is served by `GET /sandboxes/{id}/audit`; it costs an idle thread.
+        spec.audit = true;
         let started = Instant::now();
         let backend = self.backend.clone();
         let spec2 = spec.clone();

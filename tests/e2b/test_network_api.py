@@ -1,0 +1,112 @@
+"""Egress rules and the audit trail through the API: E2B's `network.allowOut` / `denyOut` in the
+create body and `PUT /sandboxes/{id}/network`, and cordon's `GET /sandboxes/{id}/audit`. The
+forwarder's behaviour toward real hosts is proven by crates/cli/tests/egress.rs against a test
+internet; here the point is that the API reaches it. Every address used is TEST-NET, which no
+rule here opens, so nothing leaves the machine."""
+
+import httpx
+import pytest
+from e2b import CommandExitException, Sandbox
+
+from conftest import API_KEY, API_URL
+
+H = {"X-API-KEY": API_KEY}
+
+# Connects to a TEST-NET address and reports what happened; exit 0 means it connected.
+DIAL = (
+    "python3 -c \"import socket,sys; s=socket.socket(); s.settimeout(3)\n"
+    "try: s.connect(('{ip}', 80)); print('connected')\n"
+    "except OSError as e: print('refused', e); sys.exit(1)\""
+)
+
+
+def create(body):
+    r = httpx.post(f"{API_URL}/sandboxes", headers=H, json={"templateID": "base", "timeout": 120, **body}, timeout=120)
+    return r
+
+
+def audit(sid):
+    r = httpx.get(f"{API_URL}/sandboxes/{sid}/audit", headers=H, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_denied_syscalls_are_in_the_audit_trail():
+    sbx = Sandbox.create(timeout=120)
+    try:
+        out = sbx.commands.run("unshare -U true || echo denied", timeout=60)
+        assert "denied" in out.stdout, out
+        a = audit(sbx.sandbox_id)
+        names = {d["syscall"] for d in a["deniedSyscalls"]}
+        assert "unshare" in names, a
+        assert a["blockedConnections"] == [], a
+    finally:
+        sbx.kill()
+    assert httpx.get(f"{API_URL}/sandboxes/{sbx.sandbox_id}/audit", headers=H).status_code == 404
+
+
+def dial(sbx, ip):
+    try:
+        return sbx.commands.run(DIAL.format(ip=ip), timeout=60).stdout
+    except CommandExitException as e:
+        return e.stdout
+
+
+def test_network_rules_from_the_create_body_and_their_update():
+    r = create({"network": {"allowOut": ["198.51.100.0/24:443"], "denyOut": ["198.51.100.9"]}})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    sbx = Sandbox.connect(sid)
+    try:
+        # The sandbox has an interface now (a closed sandbox has loopback only).
+        routes = sbx.commands.run("cat /proc/net/route", timeout=30).stdout
+        assert len(routes.strip().splitlines()) > 1, routes
+        # Port 80 is not in the rule: the forwarder refuses it and says so in the trail.
+        assert "refused" in dial(sbx, "198.51.100.7")
+        blocked = audit(sid)["blockedConnections"]
+        assert any("198.51.100.7" in b["destination"] for b in blocked), blocked
+
+        # An update replaces the rules; attempts under the new ones are recorded too.
+        r = httpx.put(f"{API_URL}/sandboxes/{sid}/network", headers=H, json={"allowOut": [], "denyOut": ["203.0.113.0/24"]})
+        assert r.status_code == 204, r.text
+        assert "refused" in dial(sbx, "203.0.113.5")
+        blocked = audit(sid)["blockedConnections"]
+        assert any("203.0.113.5" in b["destination"] for b in blocked), blocked
+
+        bad = httpx.put(f"{API_URL}/sandboxes/{sid}/network", headers=H, json={"allowOut": ["198.51.100.0/99"]})
+        assert bad.status_code == 400, bad.text
+    finally:
+        sbx.kill()
+
+
+def test_a_closed_sandbox_cannot_be_opened_later():
+    sbx = Sandbox.create(timeout=120)
+    try:
+        r = httpx.put(f"{API_URL}/sandboxes/{sbx.sandbox_id}/network", headers=H, json={"allowOut": ["pypi.org"]})
+        assert r.status_code == 409, r.text
+        assert sbx.commands.run("cat /proc/net/route", timeout=30).stdout.strip().count("\n") == 0
+    finally:
+        sbx.kill()
+
+
+@pytest.mark.parametrize(
+    "body,want",
+    [
+        ({"network": {"allowOut": ["198.51.100.0/99"]}}, "network"),
+        ({"network": {"allowOut": ["pypi.org"]}, "tier": "gvisor"}, "ns tier"),
+    ],
+)
+def test_bad_network_bodies_are_400(body, want):
+    r = create(body)
+    assert r.status_code == 400, r.text
+    assert want in r.text
+
+
+def test_allow_internet_access_false_keeps_it_closed():
+    r = create({"allow_internet_access": False, "network": {"allowOut": ["198.51.100.0/24"]}})
+    assert r.status_code == 201, r.text
+    sbx = Sandbox.connect(r.json()["sandboxID"])
+    try:
+        assert sbx.commands.run("cat /proc/net/route", timeout=30).stdout.strip().count("\n") == 0
+    finally:
+        sbx.kill()
