@@ -213,10 +213,15 @@ fn ensure_initramfs(vm_dir: &Path, kernel: &Path, version: &str, exe: &Path, pro
     }
     progress.stage(4, STAGES, "write initramfs");
     fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
-    // Older initramfs files belong to replaced binaries; live VMs keep theirs open.
+    // Older initramfs files belong to replaced binaries (live VMs keep theirs open). One that is
+    // recent may belong to another cordon binary still in use (a server next to a newer CLI)
+    // that is about to start a VM from it: those stay.
     if let Ok(rd) = fs::read_dir(&dir) {
+        let stale = std::time::SystemTime::now() - std::time::Duration::from_secs(24 * 3600);
         for e in rd.flatten() {
-            let _ = fs::remove_file(e.path());
+            if e.metadata().and_then(|m| m.modified()).is_ok_and(|t| t < stale) {
+                let _ = fs::remove_file(e.path());
+            }
         }
     }
     let tmp = dir.join(format!(".{key}.{}", std::process::id()));
