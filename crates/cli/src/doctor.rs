@@ -164,6 +164,11 @@ fn checks(state: &State) -> Vec<Check> {
         None => ok("LSMs", "securityfs not mounted; list unknown"),
     });
 
+    out.push(if Path::new("/dev/net/tun").exists() {
+        ok("tun", "/dev/net/tun (egress with --allow-net)")
+    } else {
+        warn("tun", "no /dev/net/tun: sandboxes with --allow-net cannot be created", "modprobe tun")
+    });
     out.push(match which("mmdebstrap") {
         Some(p) => ok("mmdebstrap", p),
         None => warn("mmdebstrap", "not installed (needed to build images; installed automatically when cordon runs as root)", "apt-get install mmdebstrap"),
