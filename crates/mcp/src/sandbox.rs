@@ -31,11 +31,22 @@ pub struct Pool {
     backend: Arc<dyn Backend>,
     config: Config,
     live: Mutex<HashMap<String, Box<dyn Instance>>>,
+    /// Teardowns under way (taken out of `live`, not yet finished): shutdown waits for them.
+    tearing_down: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a teardown as under way for as long as it lives.
+struct Teardown<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Teardown<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Pool {
     pub fn new(backend: Arc<dyn Backend>, config: Config) -> Arc<Pool> {
-        Arc::new(Pool { backend, config, live: Mutex::new(HashMap::new()) })
+        Arc::new(Pool { backend, config, live: Mutex::new(HashMap::new()), tearing_down: Default::default() })
     }
 
     pub fn config(&self) -> &Config {
@@ -44,6 +55,14 @@ impl Pool {
 
     fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Box<dyn Instance>>> {
         self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes a sandbox out of the pool for teardown; counted until the guard drops.
+    fn take(&self, id: &str) -> Option<(Box<dyn Instance>, Teardown<'_>)> {
+        let mut live = self.live();
+        let instance = live.remove(id)?;
+        self.tearing_down.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Some((instance, Teardown(&self.tearing_down)))
     }
 
     /// How many sandboxes are alive.
@@ -104,7 +123,7 @@ impl Pool {
 
     /// Destroys one sandbox, waiting for its teardown.
     pub async fn destroy(&self, id: &str) {
-        let Some(instance) = self.live().remove(id) else { return };
+        let Some((instance, _teardown)) = self.take(id) else { return };
         let id = id.to_string();
         match tokio::task::spawn_blocking(move || destroy_instance(&id, instance)).await {
             Ok(()) => {}
@@ -114,7 +133,7 @@ impl Pool {
 
     /// Destroys one sandbox from synchronous code (a session's `Drop`), before returning.
     pub fn destroy_now(&self, id: &str) {
-        let Some(instance) = self.live().remove(id) else { return };
+        let Some((instance, _teardown)) = self.take(id) else { return };
         let id = id.to_string();
         match tokio::runtime::Handle::try_current() {
             Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
@@ -132,6 +151,11 @@ impl Pool {
             all.into_iter().map(|(id, i)| tokio::task::spawn_blocking(move || destroy_instance(&id, i))).collect();
         for t in tasks {
             let _ = t.await;
+        }
+        // Sessions that ended just now may still be tearing theirs down on other threads.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.tearing_down.load(std::sync::atomic::Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
         if n > 0 {
             tracing::info!(count = n, "all sandboxes destroyed");
