@@ -213,8 +213,18 @@ fn recipe_table() {
     for r in recipe::RECIPES {
         validate_name(r.name).unwrap();
         for f in r.files {
-            assert!(f.path.starts_with('/'), "{}: {} is not absolute", r.name, f.path);
-            assert!(!f.contents.is_empty() && f.mode & 0o022 == 0, "{}: {}", r.name, f.path);
+            assert!(
+                f.path.starts_with('/'),
+                "{}: {} is not absolute",
+                r.name,
+                f.path
+            );
+            assert!(
+                !f.contents.is_empty() && f.mode & 0o022 == 0,
+                "{}: {}",
+                r.name,
+                f.path
+            );
             // The build checks that what it wrote is there.
             let rel = f.path.trim_start_matches('/');
             assert!(
@@ -250,7 +260,11 @@ fn recipe_files_are_written_root_owned_with_their_mode() {
     let meta = fs::metadata(&server).unwrap();
     assert_eq!(meta.permissions().mode() & 0o7777, 0o644);
     assert_eq!(
-        fs::metadata(server.parent().unwrap()).unwrap().permissions().mode() & 0o7777,
+        fs::metadata(server.parent().unwrap())
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777,
         0o755
     );
     if fsutil::is_root() {
@@ -715,7 +729,14 @@ fn meta_json_roundtrip() {
     assert_eq!(serde_json::from_str::<ImageMeta>(&j).unwrap(), m);
 
     let with_start = ImageMeta {
-        start: Some(recipe::find("code-interpreter-v1").unwrap().start.as_ref().unwrap().to_command()),
+        start: Some(
+            recipe::find("code-interpreter-v1")
+                .unwrap()
+                .start
+                .as_ref()
+                .unwrap()
+                .to_command(),
+        ),
         ..m
     };
     let j = serde_json::to_string(&with_start).unwrap();
