@@ -53,7 +53,8 @@ def dial(sbx, ip):
 
 
 def test_network_rules_from_the_create_body_and_their_update():
-    r = create({"network": {"allowOut": ["198.51.100.0/24:443"], "denyOut": ["198.51.100.9"]}})
+    # No port in the rules, so Landlock leaves connect alone and the forwarder is the one to refuse.
+    r = create({"network": {"allowOut": ["198.51.100.0/25"], "denyOut": ["198.51.100.9"]}})
     assert r.status_code == 201, r.text
     sid = r.json()["sandboxID"]
     sbx = Sandbox.connect(sid)
@@ -61,10 +62,10 @@ def test_network_rules_from_the_create_body_and_their_update():
         # The sandbox has an interface now (a closed sandbox has loopback only).
         routes = sbx.commands.run("cat /proc/net/route", timeout=30).stdout
         assert len(routes.strip().splitlines()) > 1, routes
-        # Port 80 is not in the rule: the forwarder refuses it and says so in the trail.
-        assert "refused" in dial(sbx, "198.51.100.7")
+        # Outside the allowed range: the forwarder refuses it and says so in the trail.
+        assert "refused" in dial(sbx, "198.51.100.200")
         blocked = audit(sid)["blockedConnections"]
-        assert any("198.51.100.7" in b["destination"] for b in blocked), blocked
+        assert any("198.51.100.200" in b["destination"] for b in blocked), blocked
 
         # An update replaces the rules; attempts under the new ones are recorded too.
         r = httpx.put(f"{API_URL}/sandboxes/{sid}/network", headers=H, json={"allowOut": [], "denyOut": ["203.0.113.0/24"]})
