@@ -189,17 +189,7 @@ fn sandbox_code_runs_as_nobody_under_gvisor() {
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     assert_eq!(line, "ready\n");
-    let runsc = host_processes()
-        .into_iter()
-        .find(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat"))
-                .ok()
-                .and_then(|s| s.rsplit_once(") ").and_then(|(_, r)| r.split_whitespace().nth(1).map(str::to_string)))
-                .is_some_and(|ppid| ppid == child.id().to_string())
-        })
-        .expect("cordon run has a runsc child");
-    let cg = std::fs::read_to_string(format!("/proc/{runsc}/cgroup")).unwrap();
-    let id = cg.lines().find_map(|l| l.split("/cordon/").nth(1)).map(|s| s.trim().to_string()).unwrap();
+    let (runsc, id) = gvisor_sandbox_of(child.id());
     let procs = sandbox_host_processes(&id);
     let _ = child.kill();
     let _ = child.wait();

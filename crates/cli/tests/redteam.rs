@@ -420,17 +420,7 @@ fn gvisor_kernel_handles_io_uring_without_the_host() {
     let fd: i64 = line.split_whitespace().next().unwrap().parse().unwrap();
     assert!(fd >= 0, "io_uring_setup failed inside gVisor: {line}");
     // The ring is open inside now. Look at every host process of this sandbox's cgroup.
-    let runsc = host_processes()
-        .into_iter()
-        .find(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat"))
-                .ok()
-                .and_then(|s| s.rsplit_once(") ").and_then(|(_, r)| r.split_whitespace().nth(1).map(str::to_string)))
-                .is_some_and(|ppid| ppid == child.id().to_string())
-        })
-        .expect("cordon run has a runsc child");
-    let cg = std::fs::read_to_string(format!("/proc/{runsc}/cgroup")).unwrap();
-    let id = cg.lines().find_map(|l| l.split("/cordon/").nth(1)).map(|s| s.trim().to_string()).unwrap();
+    let (_, id) = gvisor_sandbox_of(child.id());
     let mut host_fds = 0;
     for p in host_processes() {
         if !std::fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| c.contains(&format!("/cordon/{id}"))) {

@@ -187,17 +187,7 @@ fn a_killed_cordon_is_reaped_by_the_next_one_gvisor() {
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     assert_eq!(line, "ready\n");
-    let runsc = host_processes()
-        .into_iter()
-        .find(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat"))
-                .ok()
-                .and_then(|s| s.rsplit_once(") ").and_then(|(_, r)| r.split_whitespace().nth(1).map(str::to_string)))
-                .is_some_and(|ppid| ppid == child.id().to_string())
-        })
-        .expect("cordon run has a runsc child");
-    let cg = std::fs::read_to_string(format!("/proc/{runsc}/cgroup")).unwrap();
-    let id = cg.lines().find_map(|l| l.split("/cordon/").nth(1)).map(|s| s.trim().to_string()).expect("runsc is in a cordon cgroup");
+    let (_, id) = gvisor_sandbox_of(child.id());
     child.kill().unwrap(); // SIGKILL: no teardown code runs
     child.wait().unwrap();
     assert!(state_dir().join("gvisor/run").join(&id).exists(), "the killed run left no state to reap");

@@ -225,6 +225,23 @@ pub fn host_processes() -> Vec<u32> {
 }
 
 /// Host pids whose command line contains `marker`, with their real uid.
+/// The runsc child of the `cordon run --tier gvisor` process `run_pid`, and the sandbox id its
+/// cgroup names.
+pub fn gvisor_sandbox_of(run_pid: u32) -> (u32, String) {
+    let runsc = host_processes()
+        .into_iter()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(") ").and_then(|(_, r)| r.split_whitespace().nth(1).map(str::to_string)))
+                .is_some_and(|ppid| ppid == run_pid.to_string())
+        })
+        .expect("cordon run has a runsc child");
+    let cg = std::fs::read_to_string(format!("/proc/{runsc}/cgroup")).unwrap();
+    let id = cg.lines().find_map(|l| l.split("/cordon/").nth(1)).map(|s| s.trim().to_string()).expect("runsc is in a cordon cgroup");
+    (runsc, id)
+}
+
 pub fn host_processes_with(marker: &str) -> Vec<(u32, u32)> {
     host_processes()
         .into_iter()
