@@ -4,6 +4,8 @@ forwarder's behaviour toward real hosts is proven by crates/cli/tests/egress.rs 
 internet; here the point is that the API reaches it. Every address used is TEST-NET, which no
 rule here opens, so nothing leaves the machine."""
 
+import os
+import shutil
 import time
 
 import httpx
@@ -69,9 +71,16 @@ def dial(sbx, ip):
         return e.stdout
 
 
-def test_network_rules_from_the_create_body_and_their_update():
+HAS_RUNSC = bool(os.environ.get("CORDON_RUNSC") or shutil.which("runsc"))
+
+
+@pytest.mark.parametrize(
+    "tier",
+    ["ns", pytest.param("gvisor", marks=pytest.mark.skipif(not HAS_RUNSC, reason="runsc is not installed (scripts/install-deps)"))],
+)
+def test_network_rules_from_the_create_body_and_their_update(tier):
     # No port in the rules, so Landlock leaves connect alone and the forwarder is the one to refuse.
-    r = create({"network": {"allowOut": ["198.51.100.0/25"], "denyOut": ["198.51.100.9"]}})
+    r = create({"network": {"allowOut": ["198.51.100.0/25"], "denyOut": ["198.51.100.9"]}, "tier": tier})
     assert r.status_code == 201, r.text
     sid = r.json()["sandboxID"]
     sbx = Sandbox.connect(sid)
@@ -109,7 +118,7 @@ def test_a_closed_sandbox_cannot_be_opened_later():
     "body,want",
     [
         ({"network": {"allowOut": ["198.51.100.0/99"]}}, "network"),
-        ({"network": {"allowOut": ["pypi.org"]}, "tier": "gvisor"}, "ns tier"),
+        ({"network": {"allowOut": ["pypi.org"]}, "tier": "vm"}, "ns and gvisor tiers"),
     ],
 )
 def test_bad_network_bodies_are_400(body, want):

@@ -331,7 +331,7 @@ fn bad_flags_are_one_line_usage_errors() {
         (&["--memory", "lots"][..], "--memory"),
         (&["--timeout", "20m"][..], "--max-timeout"),
         (&["--tier", "warp"][..], "tier"),
-        (&["--tier", "gvisor", "--allow-net", "pypi.org"][..], "ns tier"),
+        (&["--tier", "vm", "--allow-net", "pypi.org"][..], "ns and gvisor tiers"),
         (&["--image", "no-such-image-x"][..], "no-such-image-x"),
         (&["--http", "0.0.0.0:7000"][..], "loopback"),
         (&["--allow-net", "198.51.100.0/99"][..], "--allow-net"),

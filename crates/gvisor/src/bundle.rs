@@ -27,6 +27,10 @@ pub struct Bundle<'a> {
     /// Most tasks per user inside the sandbox: gVisor enforces RLIMIT_NPROC in its own kernel,
     /// where the host's pids cgroup sees only gVisor's own threads.
     pub nproc: u64,
+    /// With an egress policy: the host file bound read-only over /etc/resolv.conf (the gateway,
+    /// where the forwarder answers DNS). The sandbox then shares the network namespace cordon
+    /// made (see `netns`) instead of getting a new one.
+    pub resolv_conf: Option<&'a Path>,
 }
 
 /// What the agent needs to start commands as other users, and nothing for the host: gVisor
@@ -97,7 +101,7 @@ impl Bundle<'_> {
             .map_err(err)?;
         let disk = self.disk_bytes;
         let agent = self.agent.to_str().ok_or_else(|| err("the cordon binary's path is not UTF-8"))?;
-        let mounts = vec![
+        let mut mounts = vec![
             mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"])?,
             mount("/dev", "tmpfs", "tmpfs", &["nosuid", "mode=755"])?,
             mount("/dev/pts", "devpts", "devpts", &["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"])?,
@@ -108,13 +112,15 @@ impl Bundle<'_> {
             mount("/tmp", "tmpfs", "tmpfs", &["nosuid", "nodev", "mode=1777", &format!("size={disk}")])?,
             mount(AGENT_PATH, "bind", agent, &["bind", "ro", "nosuid", "nodev"])?,
         ];
-        let namespaces = [
-            LinuxNamespaceType::Pid,
-            LinuxNamespaceType::Network,
-            LinuxNamespaceType::Ipc,
-            LinuxNamespaceType::Uts,
-            LinuxNamespaceType::Mount,
-        ]
+        let mut namespaces = vec![LinuxNamespaceType::Pid, LinuxNamespaceType::Ipc, LinuxNamespaceType::Uts, LinuxNamespaceType::Mount];
+        match self.resolv_conf {
+            Some(path) => {
+                let path = path.to_str().ok_or_else(|| err("the state directory's path is not UTF-8"))?;
+                mounts.push(mount("/etc/resolv.conf", "bind", path, &["bind", "ro", "nosuid", "nodev", "noexec"])?);
+            }
+            None => namespaces.push(LinuxNamespaceType::Network),
+        }
+        let namespaces = namespaces
         .into_iter()
         .map(|t| LinuxNamespaceBuilder::default().typ(t).build().map_err(err))
         .collect::<Result<Vec<_>, _>>()?;
@@ -150,6 +156,7 @@ mod tests {
             disk_bytes: 1 << 20,
             nofile: 4096,
             nproc: 64,
+            resolv_conf: None,
         };
         let v = serde_json::to_value(b.spec().unwrap()).unwrap();
         assert_eq!(v["hostname"], "isbx");
@@ -166,5 +173,29 @@ mod tests {
         assert!(tmp["options"].as_array().unwrap().contains(&"size=1048576".into()));
         let caps = v["process"]["capabilities"]["bounding"].as_array().unwrap();
         assert!(!caps.contains(&"CAP_SYS_ADMIN".into()));
+        let nss = v["linux"]["namespaces"].as_array().unwrap();
+        assert!(nss.iter().any(|n| n["type"] == "network"), "no policy: a network namespace of its own");
+    }
+
+    #[test]
+    fn with_a_policy_the_resolver_is_the_gateway_and_the_namespace_cordons() {
+        let resolv = Path::new("/state/gvisor/isbx/resolv.conf");
+        let b = Bundle {
+            id: "isbx",
+            rootfs: Path::new("/state/gvisor/isbx/rootfs"),
+            agent: Path::new("/usr/local/bin/cordon"),
+            agent_env: &[],
+            disk_bytes: 1 << 20,
+            nofile: 4096,
+            nproc: 64,
+            resolv_conf: Some(resolv),
+        };
+        let v = serde_json::to_value(b.spec().unwrap()).unwrap();
+        let mounts = v["mounts"].as_array().unwrap();
+        let r = mounts.iter().find(|m| m["destination"] == "/etc/resolv.conf").unwrap();
+        assert_eq!(r["source"], "/state/gvisor/isbx/resolv.conf");
+        assert!(r["options"].as_array().unwrap().contains(&"ro".into()));
+        let nss = v["linux"]["namespaces"].as_array().unwrap();
+        assert!(!nss.iter().any(|n| n["type"] == "network"));
     }
 }

@@ -25,6 +25,9 @@ pub struct Plan<'a> {
     pub disk: &'a Path,
     pub disk_bytes: u64,
     pub cgroup_procs: Vec<PathBuf>,
+    /// A network namespace to run runsc in, with host networking (see `netns`); without one,
+    /// runsc gets a new, empty namespace and no network at all.
+    pub netns: Option<std::os::fd::RawFd>,
 }
 
 pub struct Launched {
@@ -58,7 +61,8 @@ fn check(r: libc::c_int) -> io::Result<()> {
 }
 
 /// Starts `runsc run` with the agent's stdio on two pipes. In the child, before runsc runs: join
-/// the sandbox's cgroups, unshare a mount and a network namespace, and mount the root there.
+/// the sandbox's cgroups, unshare a mount namespace and mount the root there, and enter the
+/// sandbox's network namespace (a new empty one when it has no egress policy).
 pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
     // Everything the child uses is allocated here: between fork and exec only syscalls run.
     let procs: Vec<CString> = plan.cgroup_procs.iter().map(|p| cstr(p)).collect::<Result<_, _>>()?;
@@ -83,12 +87,13 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
     let (from_agent_r, from_agent_w) = pipe().map_err(crate::io_err("create pipe"))?;
     let log = std::fs::File::create(plan.dir.join("runsc.log")).map_err(crate::io_err("create runsc.log"))?;
 
+    let netns = plan.netns;
     let mut cmd = Command::new(plan.runsc);
     cmd.arg(format!("--root={}", plan.dir.join("runsc").display()))
         .arg(format!("--platform={}", plan.platform))
-        // No network: gVisor's own loopback only. (This runsc's `sandbox` mode cannot tell a new
-        // network namespace from the host's on recent kernels and refuses to start.)
-        .arg("--network=none")
+        // Without a policy: gVisor's own loopback only. With one: the sockets of the namespace
+        // cordon made, whose only way out is the forwarder's TUN device (see `netns`).
+        .arg(if netns.is_some() { "--network=host" } else { "--network=none" })
         // cordon made the cgroups and runsc is already in them.
         .arg("--ignore-cgroups")
         // The root is cordon's overlay, with its disk cap: no second overlay inside gVisor.
@@ -114,7 +119,13 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
                     return Err(io::Error::last_os_error());
                 }
             }
-            check(libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWNET))?;
+            match netns {
+                Some(fd) => {
+                    check(libc::unshare(libc::CLONE_NEWNS))?;
+                    check(libc::setns(fd, libc::CLONE_NEWNET))?;
+                }
+                None => check(libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWNET))?,
+            }
             // Nothing mounted from here on propagates to the host.
             check(libc::mount(std::ptr::null(), root.as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()))?;
             check(libc::mount(

@@ -11,7 +11,9 @@
 //! - runsc is started in a mount and a network namespace of its own, made just before it runs:
 //!   the mount namespace holds the sandbox's root (the image's read-only tree under a writable
 //!   tmpfs layer capped at the disk size), the network namespace has nothing but a down
-//!   loopback. Both die with runsc's last process, so they cannot leak;
+//!   loopback. Both die with runsc's last process, so they cannot leak. With an egress policy
+//!   the network namespace is made first, with the forwarder's TUN device in it ([`netns`]);
+//!   it too lives only as long as runsc and the host's descriptors of it;
 //! - the OCI bundle ([`bundle`]) names the cordon binary, bind-mounted read-only, as init;
 //! - runsc's state (`--root`) lives in the sandbox's directory, removed at teardown;
 //! - the agent reaches the host over its stdio pipes, multiplexed by `cordon-channel`, and the
@@ -19,6 +21,7 @@
 
 pub mod bundle;
 mod launch;
+pub mod netns;
 pub mod runsc;
 
 use std::fs;
@@ -75,6 +78,9 @@ pub struct SandboxConfig {
     pub limits: Limits,
     /// Environment given to the agent (its config).
     pub agent_env: Vec<(String, String)>,
+    /// Egress: a TUN interface whose descriptor the caller takes with [`Sandbox::take_tun`]
+    /// and serves; without it the sandbox has gVisor's loopback only.
+    pub tun: bool,
 }
 
 /// What is on disk about a sandbox, enough to reap it after a crash.
@@ -191,6 +197,7 @@ impl Gvisor {
             child: None,
             pidfd: None,
             link: None,
+            tun: None,
             _lock: lock,
             torn_down: false,
         };
@@ -206,6 +213,11 @@ impl Gvisor {
         for d in [&rootfs, &disk] {
             fs::create_dir(d).map_err(io_err(format!("create {}", d.display())))?;
         }
+        let netns = if cfg.tun { Some(netns::with_tun()?) } else { None };
+        let resolv = sb.dir.join("resolv.conf");
+        if netns.is_some() {
+            fs::write(&resolv, cordon_jail::tun::resolv_conf()).map_err(io_err("write resolv.conf"))?;
+        }
         let mut agent_env = vec![(String::from("CORDON_AGENT_LINK"), String::from("stdio"))];
         agent_env.extend(cfg.agent_env.iter().cloned());
         bundle::Bundle {
@@ -216,6 +228,7 @@ impl Gvisor {
             disk_bytes: cfg.limits.disk_bytes,
             nofile: cfg.limits.nofile,
             nproc: cfg.limits.pids as u64,
+            resolv_conf: netns.as_ref().map(|_| resolv.as_path()),
         }
         .write(&sb.dir)?;
 
@@ -230,8 +243,11 @@ impl Gvisor {
             disk: &disk,
             disk_bytes: cfg.limits.disk_bytes,
             cgroup_procs: sb.cgroup.procs_files(),
+            netns: netns.as_ref().map(|n| n.ns.as_raw_fd()),
         };
         let launched = launch::spawn(&plan)?;
+        // runsc holds the namespace now; the host keeps only the TUN device.
+        sb.tun = netns.map(|n| n.tun);
         sb.pidfd = Some(launched.pidfd);
         sb.child = Some(launched.child);
         sb.link = Some(launch::serve_link(launched.from_agent, launched.to_agent, listener)?);
@@ -251,6 +267,7 @@ pub struct Sandbox {
     child: Option<std::process::Child>,
     pidfd: Option<OwnedFd>,
     link: Option<launch::LinkThread>,
+    tun: Option<OwnedFd>,
     _lock: fs::File,
     torn_down: bool,
 }
@@ -272,6 +289,11 @@ impl Sandbox {
 
     pub fn cgroup(&self) -> &Cgroup {
         &self.cgroup
+    }
+
+    /// The TUN device of a sandbox created with `tun`, once, for the egress forwarder.
+    pub fn take_tun(&mut self) -> Option<OwnedFd> {
+        self.tun.take()
     }
 
     /// Host pid of `runsc run`.

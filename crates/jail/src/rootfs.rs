@@ -164,9 +164,5 @@ fn name_host(hostname: &str) {
 fn point_resolver_at_gateway() -> io::Result<()> {
     let path = Path::new("/etc/resolv.conf");
     let _ = fs::remove_file(path);
-    fs::write(
-        path,
-        format!("nameserver {}\nnameserver {}\noptions timeout:2 attempts:2\n", crate::tun::GATEWAY_V4, crate::tun::GATEWAY_V6),
-    )
-    .map_err(|e| io::Error::new(e.kind(), format!("write /etc/resolv.conf: {e}")))
+    fs::write(path, crate::tun::resolv_conf()).map_err(|e| io::Error::new(e.kind(), format!("write /etc/resolv.conf: {e}")))
 }

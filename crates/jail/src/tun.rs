@@ -25,6 +25,11 @@ pub const PREFIX_V6: u8 = 64;
 /// Large frames cost the user-space stack less per byte; the sandbox never sees a real link.
 pub const MTU: u16 = 9000;
 
+/// The sandbox's /etc/resolv.conf: the gateway, where the forwarder answers DNS.
+pub fn resolv_conf() -> String {
+    format!("nameserver {GATEWAY_V4}\nnameserver {GATEWAY_V6}\noptions timeout:2 attempts:2\n")
+}
+
 const RTF_UP: u16 = 0x1;
 const RTF_GATEWAY: u16 = 0x2;
 

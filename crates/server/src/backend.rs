@@ -236,7 +236,7 @@ impl Tiers {
             Tier::Gvisor => {
                 let gv = cordon_gvisor::Gvisor::open(&host.state_dir, &host.exe)
                     .map_err(|e| BackendError::Unavailable(e.to_string()))?;
-                Ok(GvisorBackend::new(gv, store, host.envd_version.clone()))
+                Ok(GvisorBackend::new(gv, store, host.envd_version.clone(), host.dns_upstream))
             }
             Tier::Vm => {
                 let tier = cordon_vm::VmTier::open(&host.state_dir, host.exe.clone())
@@ -317,17 +317,11 @@ impl Instance for JailInstance {
     }
 
     fn blocked(&self) -> Vec<Blocked> {
-        self.1.as_ref().map(|e| e.blocked()).unwrap_or_default()
+        blocked_of(&self.1)
     }
 
     fn set_network(&self, policy: NetworkPolicy) -> Result<(), String> {
-        match &self.1 {
-            Some(e) => {
-                e.update_policy(policy);
-                Ok(())
-            }
-            None => Err("this sandbox was created without network access; create it with a policy to change one".into()),
-        }
+        set_network_of(&self.1, policy)
     }
 
     fn start_command(&self) -> Option<&cordon_image::StartCommand> {
@@ -338,6 +332,41 @@ impl Instance for JailInstance {
         // The forwarder goes first: nothing is dialled for a sandbox being torn down.
         self.1.take();
         self.0.destroy().map_err(|e| e.to_string())
+    }
+}
+
+/// Serves a new sandbox's TUN device (if it has one) with the egress forwarder, on the caller's
+/// runtime: the server's, or `run`'s.
+fn start_egress(
+    tun: Option<OwnedFd>,
+    policy: &NetworkPolicy,
+    dns_upstream: Option<std::net::SocketAddr>,
+) -> Result<Option<cordon_net::Egress>, BackendError> {
+    let Some(tun) = tun else { return Ok(None) };
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err(BackendError::Failed("the egress forwarder needs a tokio runtime".into()));
+    }
+    let cfg = cordon_net::EgressConfig {
+        gateways: vec![cordon_jail::tun::GATEWAY_V4.into(), cordon_jail::tun::GATEWAY_V6.into()],
+        dns_upstream,
+        mtu: cordon_jail::tun::MTU,
+    };
+    cordon_net::Egress::start(tun, policy.clone(), cfg)
+        .map(Some)
+        .map_err(|e| BackendError::Failed(format!("start the sandbox's egress forwarder: {e}")))
+}
+
+fn blocked_of(egress: &Option<cordon_net::Egress>) -> Vec<Blocked> {
+    egress.as_ref().map(|e| e.blocked()).unwrap_or_default()
+}
+
+fn set_network_of(egress: &Option<cordon_net::Egress>, policy: NetworkPolicy) -> Result<(), String> {
+    match egress {
+        Some(e) => {
+            e.update_policy(policy);
+            Ok(())
+        }
+        None => Err("this sandbox was created without network access; create it with a policy to change one".into()),
     }
 }
 
@@ -355,9 +384,9 @@ fn landlock_ports(policy: &NetworkPolicy) -> Option<Vec<(u16, u16)>> {
 /// Tiers without the egress forwarder refuse a policy rather than run with less than was asked.
 /// Front ends call it before anything is built; the backends check again.
 pub fn check_network_tier(tier: Tier, network: &NetworkPolicy) -> Result<(), BackendError> {
-    if tier != Tier::Ns && network.is_enabled() {
+    if tier == Tier::Vm && network.is_enabled() {
         return Err(BackendError::BadRequest(format!(
-            "network allowlists are enforced on the ns tier only so far; the {tier} tier runs with no network: drop the network rules or use the ns tier"
+            "network allowlists are enforced on the ns and gvisor tiers only so far; the {tier} tier runs with no network: drop the network rules or use another tier"
         )));
     }
     Ok(())
@@ -386,23 +415,7 @@ impl Backend for JailBackend {
             connect_ports: landlock_ports(&spec.network),
         };
         let mut sb = self.jail.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
-        let egress = match sb.take_tun() {
-            Some(tun) => {
-                // The forwarder runs on the caller's runtime: the server's, or `run`'s.
-                if tokio::runtime::Handle::try_current().is_err() {
-                    return Err(BackendError::Failed("the egress forwarder needs a tokio runtime".into()));
-                }
-                let cfg = cordon_net::EgressConfig {
-                    gateways: vec![cordon_jail::tun::GATEWAY_V4.into(), cordon_jail::tun::GATEWAY_V6.into()],
-                    dns_upstream: self.dns_upstream,
-                    mtu: cordon_jail::tun::MTU,
-                };
-                let e = cordon_net::Egress::start(tun, spec.network.clone(), cfg)
-                    .map_err(|e| BackendError::Failed(format!("start the sandbox's egress forwarder: {e}")))?;
-                Some(e)
-            }
-            None => None,
-        };
+        let egress = start_egress(sb.take_tun(), &spec.network, self.dns_upstream)?;
         Ok(Box::new(JailInstance(sb, egress, image.meta.start.clone())))
     }
 }
@@ -412,16 +425,22 @@ pub struct GvisorBackend {
     gv: cordon_gvisor::Gvisor,
     store: cordon_image::Store,
     envd_version: Option<String>,
+    dns_upstream: Option<std::net::SocketAddr>,
 }
 
 impl GvisorBackend {
     /// `gv` must come from `Gvisor::open`, which has already reaped what a crashed cordon left.
-    pub fn new(gv: cordon_gvisor::Gvisor, store: cordon_image::Store, envd_version: Option<String>) -> Arc<GvisorBackend> {
-        Arc::new(GvisorBackend { gv, store, envd_version })
+    pub fn new(
+        gv: cordon_gvisor::Gvisor,
+        store: cordon_image::Store,
+        envd_version: Option<String>,
+        dns_upstream: Option<std::net::SocketAddr>,
+    ) -> Arc<GvisorBackend> {
+        Arc::new(GvisorBackend { gv, store, envd_version, dns_upstream })
     }
 }
 
-struct GvisorInstance(cordon_gvisor::Sandbox, Option<cordon_image::StartCommand>);
+struct GvisorInstance(cordon_gvisor::Sandbox, Option<cordon_net::Egress>, Option<cordon_image::StartCommand>);
 
 impl Instance for GvisorInstance {
     fn socket_path(&self) -> &Path {
@@ -456,11 +475,21 @@ impl Instance for GvisorInstance {
         self.0.cgroup().peak_memory()
     }
 
+    fn blocked(&self) -> Vec<Blocked> {
+        blocked_of(&self.1)
+    }
+
+    fn set_network(&self, policy: NetworkPolicy) -> Result<(), String> {
+        set_network_of(&self.1, policy)
+    }
+
     fn start_command(&self) -> Option<&cordon_image::StartCommand> {
-        self.1.as_ref()
+        self.2.as_ref()
     }
 
     fn destroy(&mut self) -> Result<(), String> {
+        // The forwarder goes first: nothing is dialled for a sandbox being torn down.
+        self.1.take();
         self.0.destroy().map_err(|e| e.to_string())
     }
 }
@@ -483,9 +512,11 @@ impl Backend for GvisorBackend {
                 cordon_agent::ENV_CONFIG.into(),
                 serde_json::to_string(&agent_cfg).map_err(|e| BackendError::Failed(e.to_string()))?,
             )],
+            tun: spec.network.is_enabled(),
         };
-        let sb = self.gv.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
-        Ok(Box::new(GvisorInstance(sb, image.meta.start.clone())))
+        let mut sb = self.gv.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
+        let egress = start_egress(sb.take_tun(), &spec.network, self.dns_upstream)?;
+        Ok(Box::new(GvisorInstance(sb, egress, image.meta.start.clone())))
     }
 }
 

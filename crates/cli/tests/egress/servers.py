@@ -4,8 +4,9 @@ what did and did not arrive.
 
 usage: servers.py DIR IFACE   (DIR holds cert.pem, key.pem, zone.json; LOG is DIR/log)
 
-While DIR/capture exists, every IPv4 packet and every IPv6 TCP/UDP packet arriving on IFACE is
-logged too ("pkt ..."): a capture, for proving that nothing arrived.
+While DIR/capture exists, every frame arriving on IFACE is logged too: "pkt ..." for anything a
+sandbox could have sent, "link ..." for the host kernel's own link upkeep (ARP, IPv6 neighbour
+discovery and listener reports). A capture, for proving that nothing arrived.
 """
 import http.server
 import json
@@ -127,6 +128,15 @@ def udp_sink():
         log(f"udp from={peer[0]} {data[:40]!r}")
 
 
+def icmp6_type(ip):
+    """The ICMPv6 type of an IPv6 packet (past a hop-by-hop header, which listener reports
+    carry), or None."""
+    nh, off = ip[6], 40
+    if nh == 0 and len(ip) > off + 1:
+        nh, off = ip[off], off + (ip[off + 1] + 1) * 8
+    return ip[off] if nh == 58 and len(ip) > off else None
+
+
 def capture():
     s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
     s.bind((sys.argv[2], 0))
@@ -139,8 +149,16 @@ def capture():
         ip = frame[14:]
         if eth == 0x0800:
             log(f"pkt v4 {socket.inet_ntop(socket.AF_INET, ip[12:16])} > {socket.inet_ntop(socket.AF_INET, ip[16:20])} proto={ip[9]}")
-        elif eth == 0x86DD and ip[6] in (6, 17):
+        elif eth == 0x86DD and icmp6_type(ip) in (130, 131, 132, 133, 134, 135, 136, 137, 143):
+            # Neighbour discovery and multicast listener reports: the host kernel's own upkeep
+            # of the link, never a sandbox's (a sandbox has no link to this network).
+            log(f"link v6 icmp6 type={icmp6_type(ip)}")
+        elif eth == 0x86DD:
             log(f"pkt v6 {socket.inet_ntop(socket.AF_INET6, ip[8:24])} > {socket.inet_ntop(socket.AF_INET6, ip[24:40])} proto={ip[6]}")
+        elif eth == 0x0806:
+            log("link arp")
+        else:
+            log(f"pkt eth=0x{eth:04x}")
 
 
 def main():
