@@ -47,6 +47,9 @@ enum Command {
     /// The VMM command line of a bare boot of the vm tier's kit (for the bench).
     #[command(name = "__vm-boot-args", hide = true)]
     VmBootArgs,
+    /// Write the ns tier's seccomp programs as raw BPF files into DIR (for the bench).
+    #[command(name = "__seccomp-bpf", hide = true)]
+    SeccompBpf { dir: std::path::PathBuf },
     /// Serve sandboxes as tools to an MCP client (stdio, or streamable HTTP with --http).
     Mcp(mcp::McpArgs),
 }
@@ -100,6 +103,7 @@ fn main() -> ExitCode {
         Command::Doctor => doctor::main(&state),
         Command::Serve(a) => serve::main(&state, a),
         Command::VmBootArgs => vm::boot_args(&state),
+        Command::SeccompBpf { dir } => seccomp_bpf(&dir),
         Command::Mcp(a) => mcp::main(&state, a),
     };
     match result {
@@ -146,4 +150,17 @@ fn init_tracing(verbose: u8) {
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).without_time().try_init();
+}
+
+/// Writes the filter programs `cordon run` installs (without auditing) as `<n>.bpf`, in install
+/// order, and prints their paths.
+fn seccomp_bpf(dir: &std::path::Path) -> anyhow::Result<u8> {
+    use anyhow::Context;
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    for (i, prog) in cordon_jail::seccomp_programs(false).iter().enumerate() {
+        let path = dir.join(format!("{i}.bpf"));
+        std::fs::write(&path, prog).with_context(|| format!("write {}", path.display()))?;
+        println!("{}", path.display());
+    }
+    Ok(0)
 }

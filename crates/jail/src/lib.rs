@@ -21,6 +21,7 @@ pub mod tun;
 pub use cgroup::{Cgroup, Layout};
 pub use slots::{Slot, Slots};
 /// Brings up `lo` in the caller's network namespace (the vm tier's guest init uses it too).
+pub use seccomp::programs as seccomp_programs;
 pub use sys::loopback_up;
 
 use cordon_spec::Limits;

@@ -52,6 +52,27 @@ pub fn apply(allow_ptrace: bool, audit: bool) -> io::Result<Option<OwnedFd>> {
     Ok(listener)
 }
 
+/// The programs [`apply`] installs without auditing, in order, each as the raw `struct
+/// sock_filter` array the kernel takes: for loading the same filter with another runtime
+/// (`bwrap --add-seccomp-fd`), which is how the bench prices the filter on its own.
+pub fn programs(allow_ptrace: bool) -> Vec<Vec<u8>> {
+    let allow = if allow_ptrace { filters::SANDBOX_PTRACE } else { filters::SANDBOX };
+    std::iter::once(allow)
+        .chain(filters::OVERRIDES.iter().copied())
+        .map(|prog| {
+            prog.iter()
+                .flat_map(|&(code, jt, jf, k)| {
+                    let mut insn = Vec::with_capacity(8);
+                    insn.extend_from_slice(&code.to_ne_bytes());
+                    insn.extend_from_slice(&[jt, jf]);
+                    insn.extend_from_slice(&k.to_ne_bytes());
+                    insn
+                })
+                .collect()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -62,5 +83,15 @@ mod tests {
         // The audited variant differs only in its verdict for denied calls.
         assert_eq!(super::filters::SANDBOX_AUDIT.len(), super::filters::SANDBOX.len());
         assert_ne!(super::filters::SANDBOX_AUDIT, super::filters::SANDBOX);
+    }
+
+    #[test]
+    fn programs_are_the_installed_filters_as_sock_filter_arrays() {
+        let progs = super::programs(false);
+        assert_eq!(progs.len(), 1 + super::filters::OVERRIDES.len());
+        assert_eq!(progs[0].len(), super::filters::SANDBOX.len() * std::mem::size_of::<libc::sock_filter>());
+        let (code, _, _, k) = super::filters::SANDBOX[0];
+        assert_eq!(u16::from_ne_bytes([progs[0][0], progs[0][1]]), code);
+        assert_eq!(u32::from_ne_bytes(progs[0][4..8].try_into().unwrap()), k);
     }
 }
