@@ -143,7 +143,8 @@ fn allowed_domain_over_https_with_curl(tier: Tier) {
 }
 
 fn allowed_domain_with_python_urllib_http_and_https(tier: Tier) {
-    let r = net(
+    let r = net_on(
+        tier,
         &["allowed.test"],
         &[],
         "python3 -c \"import ssl, urllib.request as u; c=ssl._create_unverified_context();\
@@ -222,7 +223,8 @@ fn raw_ip_connect_to_an_unlisted_address_fails(tier: Tier) {
 fn udp_and_icmp_fail_even_with_everything_allowed(tier: Tier) {
     let inet = internet();
     let mark = inet.mark();
-    let r = net(
+    let r = net_on(
+        tier,
         &["0.0.0.0/0", "::/0", "*"],
         &[],
         &format!(
@@ -240,7 +242,8 @@ fn udp_and_icmp_fail_even_with_everything_allowed(tier: Tier) {
 }
 
 fn allowed_names_resolving_to_loopback_private_or_metadata_are_refused(tier: Tier) {
-    let r = net(
+    let r = net_on(
+        tier,
         &["loop.test", "private.test", "meta.test"],
         &[],
         &format!("for h in loop private meta; do {CURL} http://$h.test/ -o /dev/null; echo $h=$?; done"),
@@ -350,7 +353,8 @@ fn services_on_the_hosts_loopback_are_unreachable_with_any_policy(tier: Tier) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     listener.set_nonblocking(true).unwrap();
-    let r = net(
+    let r = net_on(
+        tier,
         &["0.0.0.0/0", "::/0", "*", "loop.test"],
         &[],
         &format!("{CURL} http://127.0.0.1:{port}/; echo a=$?; {CURL} http://loop.test:{port}/; echo b=$?; {CURL} http://10.0.2.1:{port}/; echo c=$?"),
@@ -365,7 +369,8 @@ fn services_on_the_hosts_own_addresses_are_unreachable_with_any_policy(tier: Tie
     let listener = std::net::TcpListener::bind(format!("{HOST_V4}:0")).unwrap();
     let port = listener.local_addr().unwrap().port();
     listener.set_nonblocking(true).unwrap();
-    let r = net(
+    let r = net_on(
+        tier,
         &["0.0.0.0/0", "198.51.100.0/24", "198.51.100.1", "self.test"],
         &[],
         &format!("{CURL} http://{HOST_V4}:{port}/; echo a=$?; {CURL} http://self.test:{port}/; echo b=$?"),

@@ -1,6 +1,7 @@
 //! Attacks from inside a real sandbox: each test tries an escape or a peek at the host and
 //! checks both that it failed and that the host is untouched. Every test runs on each tier
-//! (`ns::*`, `gvisor::*`); where gVisor answers differently the expectation says so.
+//! (`ns::*`, `gvisor::*`), those that hold in a guest also as `vm::*`; where a tier answers
+//! differently the expectation says so.
 
 mod common;
 
@@ -17,6 +18,15 @@ per_tier!(
     no_network_to_the_internet_or_the_hosts_loopback,
     sandbox_processes_run_as_unprivileged_host_uids,
     concurrent_sandboxes_cannot_see_each_other,
+);
+
+on_vm!(
+    host_secrets_are_neither_readable_nor_findable,
+    nothing_of_the_host_is_mounted_and_no_host_env_leaks,
+    writes_to_root_vanish_after_the_run,
+    the_image_cannot_be_modified_from_inside,
+    the_image_disk_cannot_be_modified_from_a_guest,
+    no_network_to_the_internet_or_the_hosts_loopback,
 );
 
 /// Host processes in the cgroups of sandbox `id`, with their real uid and command line.
@@ -76,6 +86,9 @@ fn nothing_of_the_host_is_mounted_and_no_host_env_leaks(tier: Tier) {
         let allowed: &[&str] = match tier {
             Tier::Ns => &["overlay", "proc", "tmpfs", "devpts", "devtmpfs"],
             Tier::Gvisor => &["9p", "proc", "tmpfs", "devpts"],
+            // The guest's own kernel: its devtmpfs and sysfs show the guest's devices, never
+            // the host's; the root is an overlay of the guest's disks.
+            Tier::Vm => &["overlay", "proc", "tmpfs", "devpts", "devtmpfs", "sysfs"],
         };
         if fstype == "9p" {
             let target = line.split_whitespace().nth(1).unwrap();
@@ -83,7 +96,7 @@ fn nothing_of_the_host_is_mounted_and_no_host_env_leaks(tier: Tier) {
             assert!(target == "/" || line.split_whitespace().nth(3).is_some_and(|o| o.split(',').any(|o| o == "ro")), "agent binary writable: {line}");
         }
         assert!(allowed.contains(&fstype), "unexpected mount inside: {line}");
-        if fstype == "devtmpfs" {
+        if fstype == "devtmpfs" && tier != Tier::Vm {
             // Host device nodes appear only as the harmless set in /dev, or as /dev/null masking
             // a /proc file.
             let target = line.split_whitespace().nth(1).unwrap();
@@ -94,7 +107,9 @@ fn nothing_of_the_host_is_mounted_and_no_host_env_leaks(tier: Tier) {
     }
     assert!(!env.contains("CORDON_TEST_LEAK") && !env.contains("leaked-value"), "host env leaked:\n{env}");
     assert!(!env.contains("CORDON_AGENT"), "agent config leaked into the command env:\n{env}");
-    assert_eq!(sys_entries.trim(), "0", "host /sys is visible");
+    if tier != Tier::Vm {
+        assert_eq!(sys_entries.trim(), "0", "host /sys is visible");
+    }
 }
 
 fn writes_to_root_vanish_after_the_run(tier: Tier) {
@@ -118,6 +133,41 @@ fn the_image_cannot_be_modified_from_inside(tier: Tier) {
     let after = std::fs::read(state_dir().join("images/base/rootfs/etc/passwd")).unwrap();
     assert_eq!(before, after);
     assert!(state_dir().join("images/base/rootfs/usr/bin/python3").exists());
+}
+
+/// The vm tier's copy of the image, the ext4 disk every guest of it shares: unchanged, byte for
+/// byte, by a guest whose root rewrites /etc/passwd and deletes python.
+fn the_image_disk_cannot_be_modified_from_a_guest(tier: Tier) {
+    use std::hash::Hasher;
+    let disks = || -> Vec<(std::path::PathBuf, u64)> {
+        let mut v: Vec<_> = std::fs::read_dir(state_dir().join("vm/disks"))
+            .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("base-"))).collect())
+            .unwrap_or_default();
+        v.sort();
+        v.into_iter()
+            .map(|p| {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                let mut f = std::fs::File::open(&p).unwrap();
+                let mut buf = vec![0u8; 1 << 20];
+                loop {
+                    let n = std::io::Read::read(&mut f, &mut buf).unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    h.write(&buf[..n]);
+                }
+                (p, h.finish())
+            })
+            .collect()
+    };
+    // The first guest of the image makes its disk.
+    assert_eq!(sh(&tier.flags(&[]), "true").code, 0);
+    let before = disks();
+    assert!(!before.is_empty(), "no disk of the base image under {}", state_dir().join("vm/disks").display());
+    let r = sh(&tier.flags(&["--user", "root"]), "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd && rm -rf /usr/bin/python3* && sync && echo ok");
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(disks(), before, "the shared image disk changed");
+    assert_clean(r.id());
 }
 
 fn no_network_to_the_internet_or_the_hosts_loopback(tier: Tier) {

@@ -1,5 +1,6 @@
 //! Hard caps: each test pushes a real sandbox past one and checks the named outcome, the exit
-//! code, and that the host did not pay for it. Every test runs on each tier (`ns::*`, `gvisor::*`).
+//! code, and that the host did not pay for it. Every test runs on each tier (`ns::*`, `gvisor::*`);
+//! the disk cap also in a guest (`vm::*`; vm.rs checks the guest's memory cap and timeout).
 
 mod common;
 
@@ -16,6 +17,8 @@ per_tier!(
     cpu_quota_limits_a_busy_loop,
 );
 
+on_vm!(filling_the_disk_gives_enospc_and_host_disk_is_untouched);
+
 /// Under gVisor the cap also covers gVisor's own kernel, for which cordon allows this much more.
 /// Its sentry allocates in large steps right up to the cgroup limit, and the v1 peak counter then
 /// shows a page or so above it while the host's OOM killer runs: a few pages of slack.
@@ -23,6 +26,7 @@ fn memory_allowance(t: Tier) -> u64 {
     match t {
         Tier::Ns => 0,
         Tier::Gvisor => cordon_gvisor::MEMORY_OVERHEAD + (64 << 10),
+        Tier::Vm => unreachable!("a guest's memory cap is its RAM: vm.rs checks it"),
     }
 }
 
@@ -60,6 +64,7 @@ fn pids_cap_is_enforced(t: Tier) {
             &t.flags(&["--pids", "32"]),
             &["python3", "-c", "import os, time\nn = 0\nfor i in range(100):\n    try:\n        pid = os.fork()\n    except OSError:\n        break\n    if pid == 0:\n        time.sleep(10)\n        os._exit(0)\n    n += 1\nprint(n)\nos._exit(0)"],
         ),
+        Tier::Vm => unreachable!("not run on the vm tier"),
     };
     let n: u32 = r.stdout.trim().lines().last().unwrap_or("0").trim().parse().unwrap_or(999);
     assert!(n < 32, "started {n} processes under a cap of 32: {r:?}");
@@ -117,6 +122,7 @@ print(sum(os.times()[:2]))
             assert!(r.stdout.trim().parse::<f64>().unwrap() > 0.3, "{r:?}");
             r.record["cpu_time_ms"].as_u64().unwrap() as f64 / 1000.0
         }
+        Tier::Vm => unreachable!("a guest's CPU is its vCPUs: not run on the vm tier"),
     };
     assert!(cpu < 1.6, "used {cpu}s of CPU in 2s under --cpus 0.5");
     assert!(cpu > 0.3, "used only {cpu}s: the loop did not run");

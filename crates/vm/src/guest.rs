@@ -146,6 +146,12 @@ fn init() -> Result<(), String> {
     if unsafe { libc::sethostname(host.as_ptr().cast(), host.len()) } != 0 {
         return Err(errno("sethostname"));
     }
+    // As in the other tiers, the hostname resolves (sudo and many tools look it up); the write
+    // lands in the writable layer. Images without the file are left alone.
+    if let Ok(mut f) = fs::OpenOptions::new().append(true).open("/etc/hosts") {
+        use std::io::Write;
+        let _ = writeln!(f, "127.0.1.1\t{}", cfg.hostname);
+    }
     // The agent is the guest's PID 1 from here on, which the guest's OOM killer never picks; an
     // oom_score_adj here would be inherited by every command and shield them instead.
     tracing::debug!(elapsed = ?t0.elapsed(), "guest init ready");

@@ -28,6 +28,7 @@ macro_rules! require_root {
 pub enum Tier {
     Ns,
     Gvisor,
+    Vm,
 }
 
 impl Tier {
@@ -35,6 +36,7 @@ impl Tier {
         match self {
             Tier::Ns => "ns",
             Tier::Gvisor => "gvisor",
+            Tier::Vm => "vm",
         }
     }
 
@@ -55,6 +57,10 @@ impl Tier {
                     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).map(|d| d.join("runsc")).find(|p| p.is_file())
                 });
                 found.is_none().then(|| "runsc is not installed (scripts/install-deps installs it)".to_string())
+            }
+            Tier::Vm => {
+                let qemu = std::env::var_os("CORDON_QEMU").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/usr/bin/qemu-system-x86_64"));
+                (!qemu.is_file()).then(|| "qemu-system-x86_64 is not installed (scripts/install-deps installs it)".to_string())
             }
         }
     }
@@ -90,6 +96,31 @@ macro_rules! per_tier {
                         return;
                     }
                     super::$name(super::common::Tier::Gvisor)
+                }
+            )+
+        }
+    };
+}
+
+/// One `#[test]` in `mod vm` for each named `fn(Tier)` body that also holds in a microVM
+/// (`vm::<name>`): the bodies [`per_tier!`] lists whose expectations cover the vm tier. Kept to a
+/// subset because every run boots a guest (seconds each under TCG).
+#[macro_export]
+macro_rules! on_vm {
+    ($($name:ident),+ $(,)?) => {
+        mod vm {
+            $(
+                #[test]
+                fn $name() {
+                    if !super::common::is_root() {
+                        eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
+                        return;
+                    }
+                    if let Some(why) = super::common::Tier::Vm.unavailable() {
+                        eprintln!("skipping: {why}");
+                        return;
+                    }
+                    super::$name(super::common::Tier::Vm)
                 }
             )+
         }
@@ -195,7 +226,7 @@ pub fn assert_clean(id: &str) {
         let cg = entry.path().join("cordon").join(id);
         assert!(!cg.exists(), "cgroup {} remains", cg.display());
     }
-    for run_dir in [state_dir().join("run").join(id), state_dir().join("gvisor/run").join(id)] {
+    for run_dir in [state_dir().join("run").join(id), state_dir().join("gvisor/run").join(id), state_dir().join("vm/run").join(id)] {
         assert!(!run_dir.exists(), "state {} remains", run_dir.display());
     }
     // A zombie holds nothing but its pid; reaping it is its parent's job (the host's init, once
