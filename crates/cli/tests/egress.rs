@@ -522,3 +522,67 @@ mod runtime_update {
         assert!(blocked.iter().any(|b| b.name.as_deref() == Some("allowed.test")), "{blocked:?}");
     }
 }
+
+/// pip against the test index, with no proxy variables; one try, so a refused host fails fast.
+const PIP: &str = "pip install -q --disable-pip-version-check --no-cache-dir --retries 0 --timeout 8 \
+     --index-url https://pypi.test/simple --trusted-host pypi.test --trusted-host files.pypi.test tinypkg";
+/// The pip tests read each other's hosts in the servers' log: one at a time.
+static PIP_ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+#[test]
+fn pip_installs_from_an_allowed_index_with_files_on_a_wildcard_host() {
+    require_root!();
+    let _alone = PIP_ALONE.lock().unwrap_or_else(|e| e.into_inner());
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(
+        &["pypi.test", "*.pypi.test"],
+        &[],
+        &format!("env | grep -ci proxy; {PIP}; echo pip=$?; python3 -c 'import tinypkg; print(tinypkg.VALUE)'"),
+    );
+    let seen = inet.since(&mark);
+    assert!(r.stdout.starts_with("0\n"), "no proxy variables: {r:?}");
+    assert!(r.stdout.contains("pip=0"), "{r:?}");
+    assert!(r.stdout.contains(&inet.pkg_value()), "the installed module is the index's: {r:?}");
+    assert!(seen.contains("https 198.51.100.10 host=pypi.test path=/simple/tinypkg/"), "{seen}");
+    assert!(seen.contains(&format!("https {OTHER_V4} host=files.pypi.test path=/packages/tinypkg-1.0-py3-none-any.whl")), "{seen}");
+    assert!(blocked(&r).is_empty(), "{:?}", blocked(&r));
+    assert_clean(r.id());
+}
+
+#[test]
+fn pip_fails_when_the_index_is_allowed_but_its_file_host_is_not() {
+    require_root!();
+    let _alone = PIP_ALONE.lock().unwrap_or_else(|e| e.into_inner());
+    let inet = internet();
+    let mark = inet.mark();
+    let r = net(&["pypi.test"], &[], &format!("{PIP}; echo pip=$?; python3 -c 'import tinypkg' 2>/dev/null; echo import=$?"));
+    let seen = inet.since(&mark);
+    assert!(r.stdout.contains("import=1"), "nothing was installed: {r:?}");
+    assert!(!r.stdout.contains("pip=0"), "{r:?}");
+    assert!(seen.contains("host=pypi.test path=/simple/tinypkg/"), "the index itself is allowed: {seen}");
+    assert!(!seen.contains("files.pypi.test"), "the file host was reached or asked: {seen}");
+    assert!(blocked(&r).iter().any(|b| b["name"] == "files.pypi.test"), "the audit names the refused host: {:?}", blocked(&r));
+}
+
+#[test]
+fn git_clones_over_https_from_an_allowed_host_and_not_otherwise() {
+    require_root!();
+    let inet = internet();
+    let clone = "git -c http.sslVerify=false clone -q https://git.test/repo.git /tmp/repo; echo clone=$?; \
+                 git -C /tmp/repo log --format=%s 2>&1";
+    let mark = inet.mark();
+    let r = net(&["git.test"], &[], clone);
+    let seen = inet.since(&mark);
+    assert!(r.stdout.contains("clone=0"), "{r:?}");
+    assert!(r.stdout.contains("the commit the test internet made"), "{r:?}");
+    assert!(seen.contains("host=git.test path=/repo.git/info/refs"), "{seen}");
+
+    let mark = inet.mark();
+    let r = net(&["allowed.test"], &[], clone);
+    let seen = inet.since(&mark);
+    assert!(r.stdout.contains("clone=128"), "{r:?}");
+    assert!(!r.stdout.contains("the commit the test internet made"), "{r:?}");
+    assert!(!seen.contains("git.test"), "{seen}");
+    assert!(blocked(&r).iter().any(|b| b["name"] == "git.test"), "{:?}", blocked(&r));
+}

@@ -4,10 +4,17 @@ what did and did not arrive.
 
 usage: servers.py DIR IFACE   (DIR holds cert.pem, key.pem, zone.json; LOG is DIR/log)
 
+Requests for a name that has a directory under DIR/www are served as static files from it:
+a PEP 503 package index (pypi.test, whose wheel lives on files.pypi.test, as pypi.org's live
+on *.pythonhosted.org) and a git repository for git's "dumb" HTTP protocol (git.test). Both are
+built here at start, without network; the module's value is in DIR/www/pkg-value.
+
 While DIR/capture exists, every frame arriving on IFACE is logged too: "pkt ..." for anything a
 sandbox could have sent, "link ..." for the host kernel's own link upkeep (ARP, IPv6 neighbour
 discovery and listener reports). A capture, for proving that nothing arrived.
 """
+import base64
+import hashlib
 import http.server
 import json
 import os
@@ -15,13 +22,17 @@ import socket
 import socketserver
 import ssl
 import struct
+import subprocess
 import sys
 import threading
+import zipfile
 
 DIR = sys.argv[1]
 LOG = os.path.join(DIR, "log")
 ZONE = json.load(open(os.path.join(DIR, "zone.json")))
+WWW = os.path.join(DIR, "www")
 BIG = b"x" * (64 * 1024 * 1024)
+PKG = "tinypkg"
 lock = threading.Lock()
 
 
@@ -38,6 +49,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         scheme = "https" if isinstance(self.connection, ssl.SSLSocket) else "http"
         host = self.headers.get("Host", "")
         log(f"{scheme} {local} host={host} path={self.path} from={self.client_address[0]}")
+        name = host.split(":")[0].lower()
+        if name in os.listdir(WWW):
+            return self.static(os.path.join(WWW, name))
         if self.path.startswith("/big"):
             n = int(self.path.split("/")[-1]) if self.path.count("/") > 1 else len(BIG)
             self.send_response(200)
@@ -54,6 +68,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def static(self, site):
+        path = os.path.normpath(self.path.split("?")[0]).lstrip("/")
+        file = os.path.join(site, path)
+        if os.path.isdir(file):
+            file = os.path.join(file, "index.html")
+        if path.startswith("..") or not os.path.isfile(file):
+            self.send_error(404)
+            return
+        data = open(file, "rb").read()
+        self.send_response(200)
+        # pip accepts an index page only with an HTML content type.
+        self.send_header("Content-Type", "text/html" if file.endswith(".html") else "application/octet-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def log_message(self, *a):
         pass
@@ -161,7 +191,60 @@ def capture():
             log(f"pkt eth=0x{eth:04x}")
 
 
+def write(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def make_index():
+    """A wheel (a zip with the module and METADATA, WHEEL and RECORD) on files.pypi.test and
+    the PEP 503 pages on pypi.test that link to it."""
+    value = f"{PKG} from the test index {os.urandom(6).hex()}"
+    dist = f"{PKG}-1.0.dist-info"
+    files = {
+        f"{PKG}/__init__.py": f"VALUE = {value!r}\n".encode(),
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {PKG}\nVersion: 1.0\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: servers.py\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = ""
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record += f"{name},sha256={digest},{len(data)}\n"
+    files[f"{dist}/RECORD"] = (record + f"{dist}/RECORD,,\n").encode()
+    wheel = f"{PKG}-1.0-py3-none-any.whl"
+    path = os.path.join(WWW, "files.pypi.test", "packages", wheel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    sha = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    link = f"https://files.pypi.test/packages/{wheel}#sha256={sha}"
+    page = lambda body: f"<!DOCTYPE html><html><body>{body}</body></html>\n".encode()
+    write(os.path.join(WWW, "pypi.test", "simple", "index.html"), page(f'<a href="/simple/{PKG}/">{PKG}</a>'))
+    write(os.path.join(WWW, "pypi.test", "simple", PKG, "index.html"), page(f'<a href="{link}">{wheel}</a>'))
+    write(os.path.join(WWW, "pkg-value"), value.encode())
+
+
+def make_repo():
+    """A bare repository with one commit, readable over git's dumb HTTP protocol (static files
+    plus the info/refs and objects/info/packs that `git update-server-info` writes)."""
+    env = dict(os.environ, GIT_CONFIG_GLOBAL="/dev/null", GIT_CONFIG_NOSYSTEM="1", GIT_AUTHOR_NAME="test",
+               GIT_AUTHOR_EMAIL="test@git.test", GIT_COMMITTER_NAME="test", GIT_COMMITTER_EMAIL="test@git.test")
+    work = os.path.join(DIR, "repo-work")
+    bare = os.path.join(WWW, "git.test", "repo.git")
+    git = lambda *a: subprocess.run(["git", *a], env=env, check=True, capture_output=True)
+    git("init", "-q", "-b", "main", work)
+    write(os.path.join(work, "README"), b"served by the egress tests' git host\n")
+    git("-C", work, "add", "README")
+    git("-C", work, "commit", "-q", "-m", "the commit the test internet made")
+    git("clone", "-q", "--bare", work, bare)
+    git("-C", bare, "update-server-info")
+
+
 def main():
+    make_index()
+    make_repo()
     http_srv = Server(("::", 80), Handler)
     https_srv = Server(("::", 443), Handler)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

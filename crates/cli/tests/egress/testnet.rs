@@ -1,6 +1,7 @@
 //! A private "internet" for the egress tests: a network namespace reached from the host over a
-//! veth, with TEST-NET addresses, running HTTP, HTTPS (self-signed), DNS and a UDP sink
-//! (servers.py). One per test binary, made on first use, removed at exit; a lock file keeps two
+//! veth, with TEST-NET addresses, running HTTP, HTTPS (self-signed), DNS and a UDP sink, plus a
+//! package index (pypi.test, wheels on files.pypi.test) and a git host (git.test) served as
+//! static files (servers.py). One per test binary, made on first use, removed at exit; a lock file keeps two
 //! test binaries (or the bench) from using the addresses at once, and leftovers of a dead run
 //! are removed first.
 #![allow(dead_code)]
@@ -67,6 +68,9 @@ fn zone() -> String {
         "meta.test": ["169.254.169.254"],
         "self.test": [HOST_V4],
         "net2.test": [NET2_V4],
+        "pypi.test": [WEB_V4],
+        "files.pypi.test": [OTHER_V4],
+        "git.test": [WEB_V4],
     })
     .to_string()
 }
@@ -115,7 +119,7 @@ fn setup() -> Internet {
 
     let cert = Command::new("openssl")
         .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"])
-        .args(["-subj", "/CN=allowed.test", "-addext", "subjectAltName=DNS:allowed.test,DNS:*.wild.test,DNS:other.test"])
+        .args(["-subj", "/CN=allowed.test", "-addext", "subjectAltName=DNS:allowed.test,DNS:*.wild.test,DNS:other.test,DNS:pypi.test,DNS:*.pypi.test,DNS:git.test"])
         .arg("-keyout")
         .arg(dir.join("key.pem"))
         .arg("-out")
@@ -151,6 +155,12 @@ impl Internet {
     /// Everything the servers logged so far.
     pub fn log(&self) -> String {
         fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
+    /// The value of the module in the test index's package (random per run, so only an install
+    /// from this index can print it).
+    pub fn pkg_value(&self) -> String {
+        fs::read_to_string(self.dir.join("www/pkg-value")).unwrap()
     }
 
     /// A marker written into the log, to look only at what came after it.
