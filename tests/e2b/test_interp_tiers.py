@@ -5,6 +5,7 @@ protocol there). One sandbox per tier for the whole module: a kernel under gViso
 seconds, a VM under TCG in tens of seconds."""
 
 import base64
+import glob
 import io
 import os
 import platform
@@ -130,6 +131,35 @@ def test_gvisor_runaway_cell_times_out_and_the_next_cell_works(gv):
         assert ex.error is None and ex.text == "still here"
     finally:
         gv.remove_code_context(ctx)
+
+
+@needs_runsc
+def test_gvisor_memory_bomb_ends_the_whole_sandbox(gv):
+    # Decided behaviour, unlike the ns tier (where the kernel dies and the sandbox lives on):
+    # gVisor has no OOM killer of its own (google/gvisor#1967, #2533), so the host's, at the
+    # sandbox's memory cap, kills the runsc process that holds all of the sandbox's memory. The
+    # sandbox is then clearly dead: the cell's request fails, the sandbox leaves the API, nothing
+    # of it stays on the host, and other sandboxes carry on.
+    victim = create("gvisor", 120)
+    sid = victim.sandbox_id
+    assert victim.run_code("1 + 1").text == "2"
+    with pytest.raises(TimeoutException, match="killed"):
+        victim.run_code("blocks = []\nwhile True:\n    blocks.append(b'x' * (32 << 20))", timeout=120)
+    deadline = time.monotonic() + 15
+    while not gone(sid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert gone(sid)
+    assert not glob.glob(f"/sys/fs/cgroup/*/cordon/{sid}")
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and sid in _cmdline(p)]
+    assert gv.run_code("'unaffected'").text == "unaffected"
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 @needs_qemu
