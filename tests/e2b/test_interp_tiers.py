@@ -134,6 +134,27 @@ def test_gvisor_runaway_cell_times_out_and_the_next_cell_works(gv):
 
 
 @needs_runsc
+def test_gvisor_kernel_is_confined_like_any_process(gv):
+    code = (
+        "import os, socket\n"
+        "print(os.getuid(), os.getgid())\n"
+        "try:\n"
+        "    socket.create_connection(('198.51.100.7', 80), timeout=3)\n"
+        "    print('connected')\n"
+        "except OSError as e:\n"
+        "    print('no network:', e.errno)\n"
+        "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+    )
+    ex = gv.run_code(code)
+    assert ex.error is None, ex.error
+    uid, net, capeff = "".join(ex.logs.stdout).splitlines()
+    assert uid == "1000 1000"
+    # The sandbox's no-network default holds for the kernel: gVisor's netstack has loopback only.
+    assert net.startswith("no network:"), net
+    assert int(capeff, 16) == 0
+
+
+@needs_runsc
 def test_gvisor_memory_bomb_ends_the_whole_sandbox(gv):
     # Decided behaviour, unlike the ns tier (where the kernel dies and the sandbox lives on):
     # gVisor has no OOM killer of its own (google/gvisor#1967, #2533), so the host's, at the
