@@ -185,8 +185,9 @@ def _cmdline(pid):
 
 @needs_qemu
 def test_vm_interpreter_value_and_state():
-    # Costly under TCG (no KVM here): the VM boots, then the interpreter and its first kernel
-    # start on an emulated CPU. One VM for the whole test.
+    # The costliest test of the suite under TCG (no KVM here; about 70 s, most of it the
+    # interpreter and its first kernel starting on an emulated CPU after a 10 s boot; the
+    # image's disk is made once, in about 25 s). One VM for the whole test.
     sbx = create("vm", 600)
     try:
         ex = sbx.run_code("import platform\nprint('hello from a vm')\nplatform.release()", timeout=120)
