@@ -120,6 +120,11 @@ pub trait Instance: Send {
     fn start_command(&self) -> Option<&cordon_image::StartCommand> {
         None
     }
+    /// How many times slower than the host the sandbox runs code (an emulated CPU): waits on
+    /// work inside it, like its start command's readiness, are stretched by this.
+    fn slowdown(&self) -> u32 {
+        1
+    }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), String>;
 }
@@ -567,6 +572,10 @@ impl Instance for VmInstance {
 
     fn start_command(&self) -> Option<&cordon_image::StartCommand> {
         self.1.as_ref()
+    }
+
+    fn slowdown(&self) -> u32 {
+        self.0.accel().slowdown()
     }
 
     fn destroy(&mut self) -> Result<(), String> {

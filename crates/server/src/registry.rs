@@ -199,6 +199,7 @@ impl Sandboxes {
         let socket = instance.socket_path().to_path_buf();
         let death = instance.death_fd();
         let start_command = instance.start_command().cloned();
+        let slowdown = instance.slowdown();
         let entry = Arc::new(Entry {
             id: spec.id.clone(),
             tier: req.tier,
@@ -221,7 +222,7 @@ impl Sandboxes {
             return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
         }
         if let Some(start) = &start_command {
-            if let Err(e) = crate::start::run(&socket, start).await {
+            if let Err(e) = crate::start::run(&socket, start, slowdown).await {
                 destroy(&entry).await;
                 tracing::warn!(sandbox = %entry.id, template = %entry.template, "start command failed: {e}");
                 return Err(ApiError::internal(format!("template '{}': {e}", entry.template)));

@@ -60,8 +60,11 @@ impl Tail {
     }
 }
 
-/// Starts `start` in the sandbox behind `socket` and waits until it is ready.
-pub async fn run(socket: &Path, start: &StartCommand) -> Result<(), StartError> {
+/// Starts `start` in the sandbox behind `socket` and waits until it is ready. `slowdown`
+/// (see [`crate::backend::Instance::slowdown`]) stretches the image's readiness timeout and the
+/// polling: under an emulated CPU the service starts that many times slower, and each probe
+/// costs the guest that much more.
+pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(), StartError> {
     let (program, args) = start.cmd.split_first().ok_or(StartError::Empty)?;
     let shown = start.cmd.join(" ");
     let client = EnvdClient::new(socket.to_path_buf());
@@ -87,7 +90,10 @@ pub async fn run(socket: &Path, start: &StartCommand) -> Result<(), StartError> 
         // ends a process because its client went away.
         return Ok(());
     };
-    let deadline = started + Duration::from_secs(start.ready_timeout_secs);
+    let slowdown = slowdown.max(1);
+    let ready_secs = start.ready_timeout_secs.saturating_mul(u64::from(slowdown));
+    let max_poll = MAX_POLL * slowdown;
+    let deadline = started + Duration::from_secs(ready_secs);
     let mut tail = Tail::default();
     let mut delay = FIRST_POLL;
     let mut next_probe = Instant::now();
@@ -103,15 +109,10 @@ pub async fn run(socket: &Path, start: &StartCommand) -> Result<(), StartError> 
                 Err(e) => return Err(StartError::Probe { port, reason: e.to_string() }),
             }
             if Instant::now() >= deadline {
-                return Err(StartError::NotReady {
-                    cmd: shown,
-                    port,
-                    secs: start.ready_timeout_secs,
-                    output: tail.shown(),
-                });
+                return Err(StartError::NotReady { cmd: shown, port, secs: ready_secs, output: tail.shown() });
             }
             next_probe = Instant::now() + delay;
-            delay = (delay * 2).min(MAX_POLL);
+            delay = (delay * 2).min(max_poll);
         }
         // Meanwhile, keep its output and notice if it ends.
         match tokio::time::timeout_at(next_probe.into(), stream.next()).await {

@@ -26,6 +26,7 @@ struct InProcessInstance {
     socket: PathBuf,
     task: tokio::task::JoinHandle<()>,
     start: Option<cordon_image::StartCommand>,
+    slowdown: u32,
 }
 
 impl Instance for InProcessInstance {
@@ -41,6 +42,9 @@ impl Instance for InProcessInstance {
     fn start_command(&self) -> Option<&cordon_image::StartCommand> {
         self.start.as_ref()
     }
+    fn slowdown(&self) -> u32 {
+        self.slowdown
+    }
     fn destroy(&mut self) -> Result<(), String> {
         self.task.abort();
         let _ = std::fs::remove_file(&self.socket);
@@ -51,10 +55,26 @@ impl Instance for InProcessInstance {
 impl Backend for InProcess {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
         // `svc-<port>`: a template whose start command serves on <port> after a pause;
-        // `svc-broken`: one whose start command fails.
+        // `svc-broken`: one whose start command fails; `late-<slowdown>-<port>`: one that serves
+        // after 1.5 s with a readiness timeout of 1 s, in a sandbox `slowdown` times slower
+        // than the host (an emulated CPU).
+        let mut slowdown = 1;
         let start = match spec.template.as_str() {
             "base" => None,
             "svc-broken" => Some(start_command("echo missing-config-file >&2; exit 3", Some(1))),
+            t if t.starts_with("late-") => {
+                let (factor, port) = t["late-".len()..].split_once('-').expect("late-<slowdown>-<port>");
+                slowdown = factor.parse().expect("slowdown");
+                let mut cmd = start_command(
+                    &format!(
+                        "exec python3 -c 'import socket, time; time.sleep(1.5); s = socket.socket(); \
+                         s.bind((\"127.0.0.1\", {port})); s.listen(); time.sleep(20)'"
+                    ),
+                    Some(port.parse().expect("port")),
+                );
+                cmd.ready_timeout_secs = 1;
+                Some(cmd)
+            }
             t => match t.strip_prefix("svc-").and_then(|p| p.parse::<u16>().ok()) {
                 Some(port) => Some(start_command(
                     &format!(
@@ -82,7 +102,7 @@ impl Backend for InProcess {
             let l = tokio::net::UnixListener::from_std(l).expect("listener");
             let _ = cordon_agent::serve(l, cfg).await;
         });
-        Ok(Box::new(InProcessInstance { socket, task, start }))
+        Ok(Box::new(InProcessInstance { socket, task, start, slowdown }))
     }
 }
 
@@ -391,4 +411,19 @@ async fn create_waits_for_the_start_command_and_reports_its_failure() {
     // The failed sandbox is gone, not half-made.
     let r = api(s.addr, Method::GET, "/v2/sandboxes", "").await;
     assert_eq!(r.json().as_array().unwrap().len(), 1, "{:?}", r.json());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slower_sandbox_gets_more_time_to_start_its_service() {
+    let s = start(10).await;
+    let free_port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // At the host's speed, a service later than its image's timeout fails the create...
+    let r = api(s.addr, Method::POST, "/v2/sandboxes", &json!({"templateID": format!("late-1-{}", free_port())}).to_string()).await;
+    assert_error(&r, StatusCode::INTERNAL_SERVER_ERROR);
+    let msg = r.json()["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("did not open port") && msg.contains("within 1s"), "{msg}");
+    // ...while a sandbox that runs code 10x slower (an emulated CPU) is given 10x the time.
+    let port = free_port();
+    create(s.addr, json!({"templateID": format!("late-10-{port}")})).await;
+    std::net::TcpStream::connect(("127.0.0.1", port)).expect("the service listens once create returns");
 }

@@ -27,6 +27,17 @@ impl Accel {
             Accel::Tcg => "tcg",
         }
     }
+
+    /// How many times longer work inside the guest may take than on the host, for whatever
+    /// waits on it (an image's start command). The code interpreter's server and first kernel,
+    /// ready in 3 s in an `ns` sandbox, took 66 s under TCG here (22x): a waiting budget sized
+    /// for the host gets this factor, which leaves room for a busy host.
+    pub fn slowdown(self) -> u32 {
+        match self {
+            Accel::Kvm => 1,
+            Accel::Tcg => 8,
+        }
+    }
 }
 
 /// One boot, with paths as the VMM sees them inside its jail.
