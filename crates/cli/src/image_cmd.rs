@@ -90,9 +90,12 @@ pub fn main(state: &State, cmd: ImageCmd) -> Result<()> {
 /// Builds a recipe with a progress bar; returns quickly when the image is cached.
 pub fn build(store: &Store, name: &str, opts: &BuildOptions) -> Result<cordon_image::Image> {
     if !opts.rebuild {
-        if let Ok(img) = store.get(name) {
-            eprintln!("image {name} is already built (cordon image build --rebuild {name} to build it again)");
-            return Ok(img);
+        match store.get(name) {
+            Ok(img) if !store.is_stale(&img) => {
+                eprintln!("image {name} is already built (cordon image build --rebuild {name} to build it again)");
+                return Ok(img);
+            }
+            _ => {}
         }
     }
     let mut bar = Bar::new(&format!("building image {name}"));

@@ -102,11 +102,12 @@ pub fn main(state: &State, a: McpArgs) -> Result<u8> {
     // the operator's problem to hear about now, not the model's later.
     let store = state.images()?;
     match store.get(&cfg.image) {
-        Ok(_) => {}
-        Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&cfg.image.as_str()) => {
+        Ok(img) if !store.is_stale(&img) => {}
+        Ok(_) | Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&cfg.image.as_str()) => {
             eprintln!("cordon mcp: building the image `{}` first (about a minute, once)", cfg.image);
             crate::image_cmd::build(&store, &cfg.image, &Default::default())?;
         }
+        Ok(_) => {} // only a recipe's image can be stale
         Err(e) => return Err(crate::image_cmd::image_error(e)),
     }
 

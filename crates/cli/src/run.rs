@@ -169,10 +169,11 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
 
     let store = state.images()?;
     match store.get(&spec.image) {
-        Ok(_) => {}
-        Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&spec.image.as_str()) => {
+        Ok(img) if !store.is_stale(&img) => {}
+        Ok(_) | Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&spec.image.as_str()) => {
             crate::image_cmd::build(&store, &spec.image, &Default::default())?;
         }
+        Ok(_) => {} // only a recipe's image can be stale
         Err(e) => return Err(crate::image_cmd::image_error(e)),
     };
     if spec.tier == Tier::Vm {

@@ -32,7 +32,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         return Err(usage("--max-sandboxes must be at least 1"));
     }
     let store = state.images()?;
-    if store.get("base").is_err() && cordon_image::recipes().contains(&"base") {
+    if store.get("base").map_or(true, |img| store.is_stale(&img)) && cordon_image::recipes().contains(&"base") {
         eprintln!("cordon serve: building the default image `base` first (about a minute, once)");
         crate::image_cmd::build(&store, "base", &Default::default())?;
     }

@@ -84,6 +84,10 @@ pub struct ImageMeta {
     /// before this field existed, and in imported ones).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start: Option<StartCommand>,
+    /// Digest of the recipe it was built from (absent in imported images and in images built
+    /// before this field existed); see [`Store::is_stale`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<String>,
 }
 
 /// A long-running service that every sandbox of an image starts, like an
@@ -283,6 +287,17 @@ impl Store {
             .map_err(|e| ImageError::io(format!("cannot delete {}", trash.display()), e))
     }
 
+    /// Whether `img` was built from a recipe that has changed since (a newer cordon ships other
+    /// packages or files for it): the front ends then build it again before use, so an upgrade
+    /// never runs sandboxes on an image its own recipe no longer describes. Imported images are
+    /// never stale, whatever their name.
+    pub fn is_stale(&self, img: &Image) -> bool {
+        match recipe::find(&img.name) {
+            Some(r) => img.meta.source.starts_with("mmdebstrap") && img.meta.recipe.as_deref() != Some(r.digest().as_str()),
+            None => false,
+        }
+    }
+
     /// Builds the image of `recipe` (the image gets the recipe's name).
     ///
     /// If the image already exists and `opts.rebuild` is false it is
@@ -392,6 +407,7 @@ impl Store {
                     .collect(),
                 default_user: r.default_user.into(),
                 start: r.start.as_ref().map(|s| s.to_command()),
+                recipe: Some(r.digest()),
             };
             self.finish(name, &staging, meta, &mut |l| {
                 log.write(l);
@@ -487,6 +503,7 @@ impl Store {
                 env: vec![("PATH".into(), recipe::DEFAULT_PATH.into())],
                 default_user: default_user.into(),
                 start: None,
+                recipe: None,
             };
             self.finish(name, &staging, meta, &mut |l| stages.line(l))
         })();
@@ -499,6 +516,10 @@ impl Store {
     /// Returns the existing image when it can be reused as is.
     fn cached(&self, name: &str, progress: &mut dyn Progress) -> Result<Option<Image>, ImageError> {
         match self.get(name) {
+            Ok(img) if self.is_stale(&img) => {
+                progress.line(&format!("image '{name}' was built from an older recipe: building it again"));
+                Ok(None)
+            }
             Ok(img) => {
                 progress.line(&format!(
                     "image '{name}' is already built, reusing it (to build it again: 'cordon image build {name} --rebuild')"

@@ -249,6 +249,16 @@ pub(crate) static RECIPES: &[Recipe] = &[
 ];
 
 /// Looks a recipe up by name.
+impl Recipe {
+    /// What the recipe says, as a short digest: an image built from an older recipe (other
+    /// packages, hooks or shipped files, such as the interpreter's server) has another one.
+    pub(crate) fn digest(&self) -> String {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(format!("{self:?}").as_bytes());
+        d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    }
+}
+
 pub(crate) fn find(name: &str) -> Option<&'static Recipe> {
     RECIPES.iter().find(|r| r.name == name)
 }

@@ -713,6 +713,23 @@ fn build_returns_cached_image() {
 }
 
 #[test]
+fn an_image_built_from_an_older_recipe_is_stale_and_an_import_never_is() {
+    let t = TempDir::new("stale");
+    let store = Store::open(t.path()).unwrap();
+    let tb = sample_tar(t.path(), "r.tar", "x\n");
+    let mut img = store.import_tar("base", &tb, &mut NoProgress).unwrap();
+    assert!(!store.is_stale(&img), "an import named like a recipe is the user's, not stale");
+    img.meta.source = "mmdebstrap bookworm".into();
+    assert!(store.is_stale(&img), "built before recipes were recorded");
+    img.meta.recipe = Some("0000000000000000".into());
+    assert!(store.is_stale(&img), "built from another recipe");
+    img.meta.recipe = Some(crate::recipe::find("base").unwrap().digest());
+    assert!(!store.is_stale(&img));
+    let other = crate::recipe::find("code-interpreter-v1").unwrap().digest();
+    assert_ne!(other, crate::recipe::find("base").unwrap().digest());
+}
+
+#[test]
 fn meta_json_roundtrip() {
     let m = ImageMeta {
         name: "base".into(),
@@ -722,6 +739,7 @@ fn meta_json_roundtrip() {
         env: vec![("LANG".into(), "C.UTF-8".into())],
         default_user: "user".into(),
         start: None,
+        recipe: None,
     };
     let j = serde_json::to_string(&m).unwrap();
     assert!(j.contains(r#""env":[["LANG","C.UTF-8"]]"#), "{j}");

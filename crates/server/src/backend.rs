@@ -153,9 +153,9 @@ impl cordon_image::Progress for LogProgress<'_> {
 /// request still finishes.
 fn image_of(store: &cordon_image::Store, template: &str) -> Result<cordon_image::Image, BackendError> {
     match store.get(template) {
-        Ok(img) => Ok(img),
-        Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&template) => {
-            tracing::info!(image = template, "template not built yet: building it from its recipe");
+        Ok(img) if !store.is_stale(&img) => Ok(img),
+        Ok(_) | Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&template) => {
+            tracing::info!(image = template, "template not built yet, or built from an older recipe: building it");
             let started = std::time::Instant::now();
             let img = store
                 .build(template, &Default::default(), &mut LogProgress(template))
@@ -163,6 +163,8 @@ fn image_of(store: &cordon_image::Store, template: &str) -> Result<cordon_image:
             tracing::info!(image = template, secs = started.elapsed().as_secs(), size = img.meta.size_bytes, "image built");
             Ok(img)
         }
+        // Only a recipe's image can be stale.
+        Ok(img) => Ok(img),
         Err(cordon_image::ImageError::NotFound { .. }) => {
             let known: Vec<String> = store.list().unwrap_or_default().into_iter().map(|i| i.name).collect();
             Err(BackendError::UnknownTemplate(format!(
