@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 macro_rules! require_vm {
     () => {
         require_root!();
-        if !std::path::Path::new("/usr/bin/qemu-system-x86_64").exists() && std::env::var_os("CORDON_QEMU").is_none() {
-            eprintln!("skipping: qemu-system-x86_64 is not installed (scripts/install-deps installs it)");
+        if let Some(why) = Tier::Vm.unavailable() {
+            eprintln!("skipping: {why}");
             return;
         }
     };

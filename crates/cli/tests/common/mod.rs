@@ -66,39 +66,37 @@ impl Tier {
     }
 }
 
+/// `mod $module` with one `#[test]` per named `fn(Tier)` body, run on `Tier::$tier`: each
+/// needs root and skips, saying why, when the host cannot run the tier.
+#[macro_export]
+macro_rules! tier_tests {
+    ($module:ident, $tier:ident, $($name:ident),+) => {
+        mod $module {
+            $(
+                #[test]
+                fn $name() {
+                    if !super::common::is_root() {
+                        eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
+                        return;
+                    }
+                    if let Some(why) = super::common::Tier::$tier.unavailable() {
+                        eprintln!("skipping: {why}");
+                        return;
+                    }
+                    super::$name(super::common::Tier::$tier)
+                }
+            )+
+        }
+    };
+}
+
 /// One `#[test]` per tier for each named `fn(Tier)` body: `ns::<name>` and `gvisor::<name>`.
 /// A gvisor test skips, saying why, when runsc is missing; all of them need root.
 #[macro_export]
 macro_rules! per_tier {
     ($($name:ident),+ $(,)?) => {
-        mod ns {
-            $(
-                #[test]
-                fn $name() {
-                    if !super::common::is_root() {
-                        eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
-                        return;
-                    }
-                    super::$name(super::common::Tier::Ns)
-                }
-            )+
-        }
-        mod gvisor {
-            $(
-                #[test]
-                fn $name() {
-                    if !super::common::is_root() {
-                        eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
-                        return;
-                    }
-                    if let Some(why) = super::common::Tier::Gvisor.unavailable() {
-                        eprintln!("skipping: {why}");
-                        return;
-                    }
-                    super::$name(super::common::Tier::Gvisor)
-                }
-            )+
-        }
+        $crate::tier_tests!(ns, Ns, $($name),+);
+        $crate::tier_tests!(gvisor, Gvisor, $($name),+);
     };
 }
 
@@ -108,22 +106,7 @@ macro_rules! per_tier {
 #[macro_export]
 macro_rules! on_vm {
     ($($name:ident),+ $(,)?) => {
-        mod vm {
-            $(
-                #[test]
-                fn $name() {
-                    if !super::common::is_root() {
-                        eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
-                        return;
-                    }
-                    if let Some(why) = super::common::Tier::Vm.unavailable() {
-                        eprintln!("skipping: {why}");
-                        return;
-                    }
-                    super::$name(super::common::Tier::Vm)
-                }
-            )+
-        }
+        $crate::tier_tests!(vm, Vm, $($name),+);
     };
 }
 
