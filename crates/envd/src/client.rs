@@ -316,6 +316,23 @@ impl EnvdClient {
         }
         Ok(())
     }
+
+    /// Asks `/health` until the agent answers, for at most `within`: a new sandbox's agent may
+    /// still be starting. Polls at 2 ms, doubling up to 100 ms; the error is the last failure.
+    pub async fn wait_healthy(&self, within: Duration) -> std::result::Result<(), String> {
+        let deadline = std::time::Instant::now() + within;
+        let mut delay = Duration::from_millis(2);
+        loop {
+            match tokio::time::timeout(Duration::from_secs(2), self.health()).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(e)) if std::time::Instant::now() >= deadline => return Err(e.to_string()),
+                Err(_) if std::time::Instant::now() >= deadline => return Err("no answer to /health".into()),
+                _ => {}
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(100));
+        }
+    }
 }
 
 fn files_uri(path: &str, user: Option<&str>) -> String {

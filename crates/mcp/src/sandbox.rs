@@ -99,7 +99,7 @@ impl Pool {
             })?;
         let live = Live { id: spec.id.clone(), socket: instance.socket_path().to_path_buf() };
         self.live().insert(spec.id.clone(), instance);
-        if let Err(e) = wait_ready(&live).await {
+        if let Err(e) = live.client().wait_healthy(READY_TIMEOUT).await {
             self.destroy(&live.id).await;
             return Err(format!("the sandbox's agent did not start: {e}"));
         }
@@ -172,22 +172,6 @@ fn destroy_instance(id: &str, mut instance: Box<dyn Instance>) {
     match instance.destroy() {
         Ok(()) => tracing::info!(sandbox = %id, "sandbox destroyed"),
         Err(e) => tracing::warn!(sandbox = %id, "teardown: {e}"),
-    }
-}
-
-async fn wait_ready(live: &Live) -> Result<(), String> {
-    let client = live.client();
-    let deadline = Instant::now() + READY_TIMEOUT;
-    let mut delay = Duration::from_millis(2);
-    loop {
-        match tokio::time::timeout(Duration::from_secs(2), client.health()).await {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(e)) if Instant::now() >= deadline => return Err(e.to_string()),
-            Err(_) if Instant::now() >= deadline => return Err("no answer to /health".into()),
-            _ => {}
-        }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(100));
     }
 }
 

@@ -217,7 +217,7 @@ impl Sandboxes {
             end_at: Mutex::new(SystemTime::now() + req.timeout),
             instance: Mutex::new(Some(instance)),
         });
-        if let Err(e) = wait_ready(&socket).await {
+        if let Err(e) = cordon_envd::EnvdClient::new(socket.to_path_buf()).wait_healthy(READY_TIMEOUT).await {
             destroy(&entry).await;
             return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
         }
@@ -303,18 +303,3 @@ async fn destroy(entry: &Arc<Entry>) {
     }
 }
 
-async fn wait_ready(socket: &std::path::Path) -> Result<(), String> {
-    let client = cordon_envd::EnvdClient::new(socket.to_path_buf());
-    let deadline = Instant::now() + READY_TIMEOUT;
-    let mut delay = Duration::from_millis(2);
-    loop {
-        match tokio::time::timeout(Duration::from_secs(2), client.health()).await {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(e)) if Instant::now() >= deadline => return Err(e.to_string()),
-            Err(_) if Instant::now() >= deadline => return Err("no answer to /health".into()),
-            _ => {}
-        }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(100));
-    }
-}
