@@ -176,6 +176,13 @@ fn wants_upgrade<B>(req: &Request<B>) -> bool {
 /// dropped unused.
 pub async fn port_open(socket: &Path, port: u16) -> Result<bool, ProxyError> {
     let stream = UnixStream::connect(socket).await.map_err(ProxyError::Connect)?;
+    let resp = ask_forward(stream, port).await?;
+    Ok(resp.status() == StatusCode::SWITCHING_PROTOCOLS)
+}
+
+/// Asks the agent, over `stream`, to connect to `port` inside the sandbox; its 101 answer
+/// upgrades the stream into that connection.
+async fn ask_forward(stream: UnixStream, port: u16) -> Result<Response<Incoming>, ProxyError> {
     let (mut sender, conn) = http1::handshake::<_, Empty<Bytes>>(TokioIo::new(stream)).await?;
     tokio::spawn(conn.with_upgrades());
     let up = Request::get(format!("{FORWARD_PREFIX}{port}"))
@@ -184,8 +191,7 @@ pub async fn port_open(socket: &Path, port: u16) -> Result<bool, ProxyError> {
         .header(UPGRADE, FORWARD_PROTOCOL)
         .body(Empty::new())
         .map_err(|e| ProxyError::Port(e.to_string()))?;
-    let resp = sender.send_request(up).await?;
-    Ok(resp.status() == StatusCode::SWITCHING_PROTOCOLS)
+    Ok(sender.send_request(up).await?)
 }
 
 async fn forward(socket: &Path, port: u16, mut req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
@@ -206,15 +212,7 @@ async fn forward(socket: &Path, port: u16, mut req: Request<Incoming>) -> Result
         tokio::spawn(conn);
         sender.send_request(req).await?
     } else {
-        let (mut sender, conn) = http1::handshake::<_, Empty<Bytes>>(TokioIo::new(stream)).await?;
-        tokio::spawn(conn.with_upgrades());
-        let up = Request::get(format!("{FORWARD_PREFIX}{port}"))
-            .header(HOST, "cordon-agent")
-            .header(CONNECTION, "upgrade")
-            .header(UPGRADE, FORWARD_PROTOCOL)
-            .body(Empty::new())
-            .map_err(|e| ProxyError::Port(e.to_string()))?;
-        let resp = sender.send_request(up).await?;
+        let resp = ask_forward(stream, port).await?;
         if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
             // The agent's JSON says why (nothing listening on the port, usually).
             let (parts, body) = resp.into_parts();
