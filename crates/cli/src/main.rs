@@ -152,6 +152,19 @@ fn init_tracing(verbose: u8) {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).without_time().try_init();
 }
 
+/// Resolves on the first SIGTERM or SIGINT with its name; never, if the handlers cannot be
+/// installed (the process then ends the default way).
+pub async fn stop_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}
+
 /// Writes the filter programs `cordon run` installs (without auditing) as `<n>.bpf`, in install
 /// order, and prints their paths.
 fn seccomp_bpf(dir: &std::path::Path) -> anyhow::Result<u8> {

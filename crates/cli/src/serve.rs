@@ -83,13 +83,6 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
 
 /// Resolves on the first SIGTERM or SIGINT.
 async fn shutdown() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        return std::future::pending().await;
-    };
-    let name = tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    };
+    let name = crate::stop_signal().await;
     eprintln!("cordon serve: {name}: destroying every sandbox");
 }
