@@ -2,6 +2,7 @@
 E2B_API_URL and E2B_SANDBOX_URL; every test talks to it through the real `e2b` package."""
 
 import os
+import shutil
 import uuid
 
 import pytest
@@ -10,6 +11,15 @@ from e2b import Sandbox
 for var in ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL"):
     if not os.environ.get(var):
         raise RuntimeError(f"{var} is not set: run this suite through tests/e2b/run.sh")
+
+# Tests of the other tiers skip, saying why, where the host lacks their runtime.
+needs_runsc = pytest.mark.skipif(
+    not (os.environ.get("CORDON_RUNSC") or shutil.which("runsc")), reason="runsc is not installed (scripts/install-deps)"
+)
+needs_qemu = pytest.mark.skipif(
+    not (os.environ.get("CORDON_QEMU") or shutil.which("qemu-system-x86_64")),
+    reason="qemu-system-x86_64 is not installed (scripts/install-deps)",
+)
 
 BASE_URL = os.environ["E2B_SANDBOX_URL"]
 API_URL = os.environ["E2B_API_URL"]

@@ -5,18 +5,14 @@ one multiplexed link."""
 
 import os
 import platform
-import shutil
 import time
 
 import httpx
-import pytest
 from e2b import Sandbox
 
-from conftest import API_KEY, API_URL, BASE_URL
+from conftest import API_KEY, API_URL, BASE_URL, needs_runsc
 
-pytestmark = pytest.mark.skipif(
-    not (os.environ.get("CORDON_RUNSC") or shutil.which("runsc")), reason="runsc is not installed (scripts/install-deps)"
-)
+pytestmark = needs_runsc
 
 
 def test_gvisor_sandbox_through_the_sdk():

@@ -9,7 +9,6 @@ import glob
 import io
 import os
 import platform
-import shutil
 import time
 
 import httpx
@@ -18,17 +17,10 @@ from e2b import TimeoutException
 from e2b_code_interpreter import Sandbox
 from PIL import Image
 
-from conftest import API_KEY, API_URL
+from conftest import API_KEY, API_URL, needs_qemu, needs_runsc
 
 TEMPLATE = "code-interpreter-v1"
 
-needs_runsc = pytest.mark.skipif(
-    not (os.environ.get("CORDON_RUNSC") or shutil.which("runsc")), reason="runsc is not installed (scripts/install-deps)"
-)
-needs_qemu = pytest.mark.skipif(
-    not (os.environ.get("CORDON_QEMU") or shutil.which("qemu-system-x86_64")),
-    reason="qemu-system-x86_64 is not installed (scripts/install-deps)",
-)
 
 
 def create(tier, timeout):

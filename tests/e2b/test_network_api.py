@@ -4,15 +4,13 @@ forwarder's behaviour toward real hosts is proven by crates/cli/tests/egress.rs 
 internet; here the point is that the API reaches it. Every address used is TEST-NET, which no
 rule here opens, so nothing leaves the machine."""
 
-import os
-import shutil
 import time
 
 import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
 
-from conftest import API_KEY, API_URL
+from conftest import API_KEY, API_URL, needs_runsc
 
 H = {"X-API-KEY": API_KEY}
 
@@ -71,12 +69,9 @@ def dial(sbx, ip):
         return e.stdout
 
 
-HAS_RUNSC = bool(os.environ.get("CORDON_RUNSC") or shutil.which("runsc"))
-
-
 @pytest.mark.parametrize(
     "tier",
-    ["ns", pytest.param("gvisor", marks=pytest.mark.skipif(not HAS_RUNSC, reason="runsc is not installed (scripts/install-deps)"))],
+    ["ns", pytest.param("gvisor", marks=needs_runsc)],
 )
 def test_network_rules_from_the_create_body_and_their_update(tier):
     # No port in the rules, so Landlock leaves connect alone and the forwarder is the one to refuse.

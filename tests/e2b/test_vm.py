@@ -3,21 +3,15 @@ not send itself), then the real SDK connects and works as with any other sandbox
 files and a server inside reached through port forwarding, all over the guest agent's one
 multiplexed virtio-serial link. One VM for the whole module: under TCG a boot takes seconds."""
 
-import os
 import platform
-import shutil
 import time
 
 import httpx
-import pytest
 from e2b import Sandbox
 
-from conftest import API_KEY, API_URL, BASE_URL
+from conftest import API_KEY, API_URL, BASE_URL, needs_qemu
 
-pytestmark = pytest.mark.skipif(
-    not (os.environ.get("CORDON_QEMU") or shutil.which("qemu-system-x86_64")),
-    reason="qemu-system-x86_64 is not installed (scripts/install-deps)",
-)
+pytestmark = needs_qemu
 
 
 def test_vm_sandbox_through_the_sdk():
