@@ -170,6 +170,99 @@ fn files_and_stdin_go_through_the_agent() {
     assert_vm_clean(r.id());
 }
 
+/// `cordon run --json --tier vm` with the vm crate's log on stderr, and extra environment.
+fn vm_run_logged(env: &[(&str, &str)], script: &str) -> Run {
+    ensure_base();
+    let out = cordon()
+        .env("RUST_LOG", "cordon_vm=debug")
+        .envs(env.iter().copied())
+        .args(["run", "--json", "--tier", "vm", "--", "bash", "-c", script])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, last) = stdout.trim_end().rsplit_once('\n').unwrap_or(("", stdout.trim_end()));
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: format!("{body}\n"),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        record: serde_json::from_str(last).unwrap_or_default(),
+    }
+}
+
+fn snapshots() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(state_dir().join("vm/snapshots"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| !n.starts_with('.') && !n.ends_with(".lock")).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// A digest of every file of every snapshot.
+fn snapshot_digest() -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for s in snapshots() {
+        for f in ["state", "rw.ext4"] {
+            h.write(&std::fs::read(state_dir().join("vm/snapshots").join(&s).join(f)).unwrap());
+        }
+    }
+    h.finish()
+}
+
+const IDENTITY: &str = "date +%s; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; \
+    python3 -c 'import os; print(os.urandom(16).hex())'; hostname; echo mine > /home/user/f; sync";
+
+fn host_now() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+/// Each VM of a snapshot is its own: the host's time, randomness no other VM of it draws, its
+/// own name; and the snapshot, shared by all of them, is byte for byte what it was after they
+/// ran and wrote to their disks.
+#[test]
+fn vms_restored_from_one_snapshot_get_their_own_clock_randomness_and_name() {
+    require_vm!();
+    // The first run of the default caps makes the snapshot if no earlier run did.
+    let first = vm_run_logged(&[], IDENTITY);
+    assert_eq!(first.code, 0, "{first:?}");
+    let known = snapshots();
+    assert!(!known.is_empty(), "no snapshot after a vm run: {first:?}");
+    let digest = snapshot_digest();
+    let mut seen = std::collections::HashSet::new();
+    for (i, r) in [first, vm_run_logged(&[], IDENTITY), vm_run_logged(&[], IDENTITY)].into_iter().enumerate() {
+        assert_eq!(r.code, 0, "{r:?}");
+        if i > 0 {
+            assert!(r.stderr.contains("restoring the VM from a snapshot"), "{}", r.stderr);
+        }
+        let lines: Vec<&str> = r.stdout.lines().collect();
+        let t: i64 = lines[0].parse().unwrap();
+        assert!((t - host_now()).abs() < 60, "guest clock {t}, host {}", host_now());
+        assert_eq!(lines[3], r.id(), "the guest's hostname is its sandbox id");
+        for random in &lines[1..3] {
+            assert_eq!(random.len(), 32, "{r:?}");
+            assert!(seen.insert(random.to_string()), "two VMs drew the same random bytes {random}");
+        }
+        assert_vm_clean(r.id());
+    }
+    // The last two restored from the first's snapshot and made none of their own.
+    assert_eq!(snapshots(), known);
+    assert_eq!(snapshot_digest(), digest, "a VM changed the snapshot it was restored from");
+}
+
+#[test]
+fn with_snapshots_off_a_vm_boots_cold_and_is_the_same_guest() {
+    require_vm!();
+    let r = vm_run_logged(&[("CORDON_VM_SNAPSHOTS", "0")], IDENTITY);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(!r.stderr.contains("restoring the VM from a snapshot"), "{}", r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    let t: i64 = lines[0].parse().unwrap();
+    assert!((t - host_now()).abs() < 60, "guest clock {t}, host {}", host_now());
+    assert_eq!(lines[3], r.id());
+    assert_vm_clean(r.id());
+}
+
 /// The live VMM process is jailed: an unprivileged uid, no capabilities, no_new_privs, QEMU's
 /// seccomp filter, namespaces of its own, and a root holding only its libraries and this VM's
 /// boot files and disks.
@@ -183,7 +276,10 @@ fn assert_vmm_jailed(pid: u32) {
     assert_eq!(field("CapPrm:")[0], "0000000000000000");
     assert_eq!(field("NoNewPrivs:")[0], "1");
     assert_eq!(field("Seccomp:")[0], "2", "QEMU's -sandbox filter is on");
-    for ns in ["mnt", "net", "ipc", "uts", "cgroup"] {
+    // PID 1 of a PID namespace of its own: it sees and can signal no other process.
+    assert_eq!(field("NSpid:").len(), 2, "{status}");
+    assert_eq!(field("NSpid:")[1], "1", "{status}");
+    for ns in ["mnt", "net", "ipc", "uts", "cgroup", "pid"] {
         let mine = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
         let its = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap();
         assert_ne!(mine, its, "the VMM shares the host's {ns} namespace");

@@ -22,7 +22,7 @@ pub use cgroup::{Cgroup, Layout};
 pub use slots::{Slot, Slots};
 /// Brings up `lo` in the caller's network namespace (the vm tier's guest init uses it too).
 pub use seccomp::programs as seccomp_programs;
-pub use sys::loopback_up;
+pub use sys::{loopback_up, send_fd_with};
 
 use cordon_spec::Limits;
 use serde::{Deserialize, Serialize};

@@ -5,7 +5,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -301,8 +301,13 @@ pub fn loopback_up() -> io::Result<()> {
 
 /// Sends one fd and a byte over a Unix socket.
 pub fn send_fd(sock: &OwnedFd, fd: &OwnedFd) -> io::Result<()> {
-    let byte = [1u8];
-    let mut iov = libc::iovec { iov_base: byte.as_ptr() as *mut _, iov_len: 1 };
+    send_fd_with(sock.as_fd(), fd.as_fd(), &[1u8])
+}
+
+/// Sends `data` in one message with `fd` attached (for protocols such as QMP's `getfd`, where
+/// the descriptor rides on a command).
+pub fn send_fd_with(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>, data: &[u8]) -> io::Result<()> {
+    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut _, iov_len: data.len() };
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
     let mut cbuf = vec![0u8; space];
@@ -321,7 +326,11 @@ pub fn send_fd(sock: &OwnedFd, fd: &OwnedFd) -> io::Result<()> {
         std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut RawFd, fd.as_raw_fd());
     }
     // SAFETY: msg is fully initialised above.
-    check(unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) } as _, "sendmsg fd").map(drop)
+    let sent = check(unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) } as _, "sendmsg fd")?;
+    if sent as usize != data.len() {
+        return Err(io::Error::other("sendmsg with a descriptor: short write"));
+    }
+    Ok(())
 }
 
 /// Receives one message, with the fd it carries if any; an empty message means EOF.

@@ -69,6 +69,8 @@ pub fn probe_spec(kit: &Kit, accel: Accel) -> BootSpec {
         root_disk: None,
         rw_disk: None,
         channel_fd: None,
+        incoming_fd: None,
+        monitor_fd: None,
     }
 }
 

@@ -111,7 +111,11 @@ fn init() -> Result<(), String> {
 
     step("root mounted");
     let link = open_port(&port)?;
-    let cfg = preamble::read(&link).map_err(|e| format!("read the sandbox config from {port}: {e}"))?;
+    let (cfg, now) = preamble::receive(&link).map_err(|e| format!("read the sandbox config from {port}: {e}"))?;
+    // The guest has no clock of its own (no RTC), and a restored one holds its snapshot's.
+    set_clock(now)?;
+    reseed(&cfg.seed)?;
+    step("config, clock and seed received");
 
     // Into the new root: the initramfs (rootfs) cannot be pivoted away, so move the new root
     // over it and chroot, as switch_root does. /dev, /proc and /sys move along.
@@ -163,6 +167,44 @@ fn init() -> Result<(), String> {
         cordon_agent::serve_link(link, cfg.agent).await
     })
     .map_err(|e| format!("agent: {e}"))
+}
+
+fn set_clock(now: std::time::SystemTime) -> Result<(), String> {
+    let d = now.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let ts = libc::timespec { tv_sec: d.as_secs() as libc::time_t, tv_nsec: d.subsec_nanos() as libc::c_long };
+    // SAFETY: a valid timespec for the duration of the call.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+        return Err(errno("set the clock"));
+    }
+    Ok(())
+}
+
+/// `_IOW('R', 0x03, int[2])` and `_IO('R', 0x07)` from <linux/random.h>.
+const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+
+/// Mixes the host's seed into the kernel's entropy pool, credited, and makes the kernel reseed
+/// its generator from the pool at once: after a restore every VM of a snapshot would otherwise
+/// draw from the same generator state until its next scheduled reseed.
+fn reseed(seed: &[u8]) -> Result<(), String> {
+    if seed.is_empty() {
+        return Ok(());
+    }
+    let f = fs::OpenOptions::new().write(true).open("/dev/urandom").map_err(|e| format!("open /dev/urandom: {e}"))?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + seed.len());
+    info.extend_from_slice(&((seed.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(seed.len() as i32).to_ne_bytes());
+    info.extend_from_slice(seed);
+    // SAFETY: `info` is a rand_pool_info whose buf_size matches the bytes that follow it.
+    if unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) } != 0 {
+        return Err(errno("add the host's seed to the entropy pool"));
+    }
+    // SAFETY: an ioctl without argument on an open descriptor.
+    if unsafe { libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG) } != 0 {
+        return Err(errno("reseed the kernel RNG"));
+    }
+    Ok(())
 }
 
 /// Loads the kit's modules in the order the host computed. Parameters for a module on the

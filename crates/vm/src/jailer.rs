@@ -1,5 +1,6 @@
 //! Jails the VMM process the way Firecracker's jailer does, applied between fork and exec:
-//! it joins its own cgroups, gets new mount, network, IPC, UTS and cgroup namespaces, sees a
+//! it joins its own cgroups, gets new mount, network, IPC, UTS and cgroup namespaces (and is PID
+//! 1 of a PID namespace of its own, see [`spawn_in_new_pid_namespace`]), sees a
 //! root made of only what it needs (its binary's libraries read-only, the kernel, initramfs
 //! and disks of this VM, /dev/null, /dev/urandom and, under KVM, /dev/kvm), then drops to an
 //! unprivileged uid of its own with no capabilities and no_new_privs, and dies with the thread
@@ -204,3 +205,27 @@ impl Plan {
 }
 
 use std::os::unix::ffi::OsStrExt;
+
+/// Starts `cmd` as PID 1 of a new PID namespace, from the calling thread (whose death the
+/// jail's parent-death signal then follows). Only this thread's children are affected, and
+/// only for this one start: the thread returns to its own namespace for children right after,
+/// because the kernel refuses to create threads while the two differ.
+pub fn spawn_in_new_pid_namespace(cmd: &mut std::process::Command) -> io::Result<std::process::Child> {
+    use std::os::fd::AsRawFd;
+    let own = std::fs::File::open("/proc/thread-self/ns/pid")?;
+    // SAFETY: unshare with a flag only; it changes where this thread's children are created.
+    if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
+        return Err(io::Error::other(format!("a PID namespace for the VMM: {}", io::Error::last_os_error())));
+    }
+    let child = cmd.spawn();
+    // SAFETY: setns on an open namespace descriptor; back to the namespace this thread is in.
+    if unsafe { libc::setns(own.as_raw_fd(), libc::CLONE_NEWPID) } != 0 {
+        let e = io::Error::last_os_error();
+        if let Ok(mut c) = child {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        return Err(io::Error::other(format!("return from the VMM's PID namespace: {e}")));
+    }
+    child
+}

@@ -7,6 +7,7 @@
 //! - [`vmm`]: the VMM behind a trait (QEMU `-M microvm` here), [`accel`]: KVM only when a
 //!   guest really boots under it, TCG otherwise;
 //! - [`jailer`]: the VMM process in its own namespaces, cgroup and uid, seeing only its files;
+//! - [`snapshot`]: VMs start from a saved, booted template of their kind (made on first use);
 //! - [`guest`]: the guest init, which overlays the disks, switches root and serves the same
 //!   envd agent as every tier over a virtio-serial port, multiplexed by `cordon-channel`. The
 //!   host side serves that link as a Unix socket, so clients of the agent do not change.
@@ -23,6 +24,8 @@ pub mod jailer;
 pub mod kit;
 mod modules;
 pub mod preamble;
+mod qmp;
+pub mod snapshot;
 pub mod vmlinux;
 pub mod vmm;
 
@@ -180,16 +183,92 @@ impl VmTier {
             let _ = fs::remove_dir_all(&dir);
             reaped += 1;
         }
+        // Snapshots whose template died unfinished (`.<template id>`, see `snapshot_for`).
+        if let Ok(entries) = fs::read_dir(self.vm_dir.join("snapshots")) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                // Past any boot's deadline: a template being made right now is never touched.
+                let old = e.metadata().and_then(|m| m.modified()).is_ok_and(|t| t.elapsed().unwrap_or_default() > 2 * BOOT_DEADLINE);
+                if let Some(id) = name.strip_prefix('.') {
+                    if old && !self.run_dir.join(id).exists() {
+                        let _ = fs::remove_dir_all(e.path());
+                    }
+                }
+            }
+        }
         reaped
     }
 
-    /// Boots a VM and returns once its agent answers on [`Vm::socket_path`].
+    /// Starts a VM and returns once its agent answers on [`Vm::socket_path`]: restored from
+    /// the snapshot of its kind (made first if there is none yet), or booted cold when
+    /// snapshots are off or cannot be made here.
     pub fn create(&self, cfg: &VmConfig, prep: &Prepared) -> Result<Vm, VmError> {
         cfg.limits.validate().map_err(|e| VmError::BadRequest(e.to_string()))?;
         let memory_mib = cfg.limits.memory_bytes >> 20;
         if memory_mib < MIN_MEMORY_MIB {
             return Err(VmError::BadRequest(format!("the vm tier needs a memory cap of at least {MIN_MEMORY_MIB}M (the guest kernel and agent live in it)")));
         }
+        if !snapshot::enabled() {
+            return self.boot(cfg, prep, Start::Cold);
+        }
+        match self.snapshot_for(cfg, prep) {
+            Ok(snap) => self.boot(cfg, prep, Start::Restore(snap)),
+            Err(e) => {
+                tracing::warn!("no snapshot for this VM ({e}); booting it cold");
+                self.boot(cfg, prep, Start::Cold)
+            }
+        }
+    }
+
+    /// The snapshot VMs like `cfg`'s start from, made now if it does not exist yet.
+    fn snapshot_for(&self, cfg: &VmConfig, prep: &Prepared) -> Result<snapshot::Snapshot, VmError> {
+        let dir = self.vm_dir.join("snapshots");
+        fs::create_dir_all(&dir).map_err(io_err(format!("create {}", dir.display())))?;
+        let spec = boot_spec(cfg, prep);
+        let host_files = [prep.kit.vmlinux.as_path(), prep.kit.initramfs.as_path(), prep.root_disk.as_path()];
+        let snap = snapshot::of(&dir, &*self.vmm, &spec, &host_files, cfg.limits.disk_bytes).map_err(io_err("name the snapshot"))?;
+        if snap.exists() {
+            snap.touch();
+            return Ok(snap);
+        }
+        let _lock = snapshot::lock(&snap).map_err(io_err("lock the snapshot"))?;
+        if snap.exists() {
+            return Ok(snap); // another cordon made it meanwhile
+        }
+        let t = Instant::now();
+        let template_id = format!("{}-template", cfg.id);
+        let tmp = dir.join(format!(".{template_id}"));
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir(&tmp).map_err(io_err(format!("create {}", tmp.display())))?;
+        let made = (|| {
+            use std::os::unix::fs::OpenOptionsExt;
+            let state = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(tmp.join("state"))
+                .map_err(io_err("create the snapshot's state file"))?;
+            let template = VmConfig { id: template_id.clone(), ..cfg.clone() };
+            let (qmp_host, qmp_vmm) = std::os::unix::net::UnixStream::pair().map_err(io_err("socketpair"))?;
+            let vm = self.boot(&template, prep, Start::Template { monitor: qmp_vmm })?;
+            let mut qmp = qmp::Qmp::connect(qmp_host, Duration::from_secs(30)).map_err(io_err("talk to the template's VMM"))?;
+            qmp.migrate_to(&state, Duration::from_secs(120)).map_err(io_err("save the template's state"))?;
+            // The guest is stopped now: its writable layer holds what its memory expects.
+            disk::copy_sparse(&vm.dir.join("rw.ext4"), &tmp.join("rw.ext4")).map_err(io_err("keep the template's writable layer"))?;
+            drop(vm);
+            snapshot::publish(&tmp, &snap).map_err(io_err("store the snapshot"))
+        })();
+        if made.is_err() {
+            let _ = fs::remove_dir_all(&tmp);
+        }
+        made?;
+        snapshot::prune(&dir);
+        tracing::info!(snapshot = %snap.dir.display(), elapsed = ?t.elapsed(), "made a VM snapshot");
+        Ok(snap)
+    }
+
+    fn boot(&self, cfg: &VmConfig, prep: &Prepared, start: Start) -> Result<Vm, VmError> {
+        let memory_mib = cfg.limits.memory_bytes >> 20;
         let dir = self.run_dir.join(&cfg.id);
         {
             use std::os::unix::fs::DirBuilderExt;
@@ -232,14 +311,17 @@ impl VmTier {
 
         let t = Instant::now();
         let rw = vm.dir.join("rw.ext4");
-        disk::writable_layer(&rw, cfg.limits.disk_bytes, uid)?;
+        match &start {
+            Start::Restore(snap) => {
+                disk::copy_sparse(&snap.rw(), &rw).map_err(io_err("copy the snapshot's writable layer"))?;
+                disk::hand_to(&rw, uid)?;
+            }
+            Start::Cold | Start::Template { .. } => disk::writable_layer(&rw, cfg.limits.disk_bytes, uid)?,
+        }
         tracing::debug!(elapsed = ?t.elapsed(), "writable layer made");
 
         // The agent link: one end for the VMM (its virtio-serial chardev), one for us.
         let (host_end, vmm_end) = std::os::unix::net::UnixStream::pair().map_err(io_err("socketpair"))?;
-        let mut host_end = host_end;
-        preamble::write(&mut host_end, &preamble::GuestConfig { hostname: cfg.id.clone(), agent: cfg.agent.clone() })
-            .map_err(io_err("send the sandbox config"))?;
         let listener = std::os::unix::net::UnixListener::bind(&vm.socket).map_err(io_err("bind agent socket"))?;
         listener.set_nonblocking(true).map_err(io_err("agent socket"))?;
 
@@ -266,23 +348,27 @@ impl VmTier {
         plan.bind(&prep.root_disk, Path::new("/vm/root.ext4"), false);
         plan.bind(&rw, Path::new("/vm/rw.ext4"), true);
         let cgroup_files = plan.cgroups(&vm.cgroup.procs_files()).map_err(io_err("open cgroup.procs"))?;
-        const CHANNEL_FD: i32 = 3;
         plan.pass_fd(vmm_end.as_raw_fd(), CHANNEL_FD);
 
-        let spec = vmm::BootSpec {
-            kernel: "/vm/vmlinux".into(),
-            initramfs: "/vm/initramfs".into(),
-            cmdline: if debug_console() {
-                format!("console=ttyS0 panic=-1 rdinit=/init {}", guest::DEBUG_ARG)
-            } else {
-                "console=ttyS0 quiet panic=-1 rdinit=/init".into()
-            },
-            memory_mib,
-            vcpus: (cfg.limits.cpus.ceil() as u32).max(1),
-            accel: prep.accel.accel,
-            root_disk: Some("/vm/root.ext4".into()),
-            rw_disk: Some("/vm/rw.ext4".into()),
-            channel_fd: Some(CHANNEL_FD),
+        let mut spec = boot_spec(cfg, prep);
+        // Descriptors the VMM gets for this start, kept open until it has them.
+        let mut passed: Vec<OwnedFd> = Vec::new();
+        let handshake = match start {
+            Start::Cold => Handshake::Fresh(guest_config(cfg)?),
+            Start::Restore(snap) => {
+                tracing::debug!(id = %cfg.id, snapshot = %snap.dir.display(), "restoring the VM from a snapshot");
+                let state = fs::File::open(snap.state()).map_err(io_err("open the snapshot's state"))?;
+                plan.pass_fd(state.as_raw_fd(), STATE_FD);
+                spec.incoming_fd = Some(STATE_FD);
+                passed.push(state.into());
+                Handshake::Restored(guest_config(cfg)?)
+            }
+            Start::Template { monitor } => {
+                plan.pass_fd(monitor.as_raw_fd(), MONITOR_FD);
+                spec.monitor_fd = Some(MONITOR_FD);
+                passed.push(monitor.into());
+                Handshake::Template
+            }
         };
         let mut cmd = std::process::Command::new(&bin);
         cmd.args(self.vmm.args(&spec)).env_clear().current_dir("/");
@@ -296,33 +382,99 @@ impl VmTier {
         // The VMM is started by the VM's own thread, which then serves the agent link: the
         // parent-death signal ties the VMM's life to that thread, hence to this handle.
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let console = vm.console.clone();
         let thread = std::thread::Builder::new()
             .name(format!("vm-{}", cfg.id))
-            .spawn(move || vm_thread(cmd, tx, host_end, listener, con_r, console))
+            .spawn(move || vm_thread(cmd, tx, host_end, handshake, ready_tx, listener, con_r, console))
             .map_err(io_err("start VM thread"))?;
         vm.thread = Some(thread);
         let pid = rx.recv().map_err(|_| VmError::Boot("the VM thread ended early".into()))?.map_err(io_err(format!("start {}", bin.display())))?;
         drop(vmm_end);
+        drop(passed);
         drop(cgroup_files);
         vm.pid = pid;
         vm.pidfd = Some(pidfd_open(pid).map_err(io_err("pidfd_open VMM"))?);
         vm.write_record()?;
-        vm.wait_ready(BOOT_DEADLINE)?;
+        if matches!(spec.monitor_fd, Some(_)) {
+            // A template is done booting when its guest asks for the config.
+            match ready_rx.recv_timeout(BOOT_DEADLINE) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(VmError::Boot(format!("the template guest: {e}; console: {}", vm.console_tail()))),
+                Err(_) => return Err(VmError::Boot(format!("the template guest did not ask for its config; console: {}", vm.console_tail()))),
+            }
+        } else {
+            vm.wait_ready(BOOT_DEADLINE)?;
+        }
         tracing::debug!(id = %cfg.id, elapsed = ?t.elapsed(), "VM ready");
         Ok(vm)
     }
 }
 
+/// Descriptor numbers inside the VMM: the agent link, the snapshot's state, the monitor.
+const CHANNEL_FD: i32 = 3;
+const STATE_FD: i32 = 4;
+const MONITOR_FD: i32 = 5;
+
+/// How a VM starts.
+enum Start {
+    /// From the kernel up.
+    Cold,
+    /// From a snapshot.
+    Restore(snapshot::Snapshot),
+    /// As a template: boots cold with a monitor, through which its state is saved once the
+    /// guest asks for its config.
+    Template { monitor: std::os::unix::net::UnixStream },
+}
+
+/// What the VM thread says to the guest before the agent link begins.
+enum Handshake {
+    Fresh(preamble::GuestConfig),
+    /// The guest asked for its config before its snapshot was taken.
+    Restored(preamble::GuestConfig),
+    Template,
+}
+
+fn guest_config(cfg: &VmConfig) -> Result<preamble::GuestConfig, VmError> {
+    let mut seed = vec![0u8; 32];
+    getrandom::fill(&mut seed).map_err(|e| VmError::Io { what: "seed for the guest".into(), source: io::Error::other(e) })?;
+    Ok(preamble::GuestConfig { hostname: cfg.id.clone(), agent: cfg.agent.clone(), seed })
+}
+
+/// The boot as the VMM sees it inside its jail. Nothing in it names one VM, so VMs with the
+/// same caps get the same arguments, which is what lets them share a snapshot.
+fn boot_spec(cfg: &VmConfig, prep: &Prepared) -> vmm::BootSpec {
+    vmm::BootSpec {
+        kernel: "/vm/vmlinux".into(),
+        initramfs: "/vm/initramfs".into(),
+        cmdline: if debug_console() {
+            format!("console=ttyS0 panic=-1 rdinit=/init {}", guest::DEBUG_ARG)
+        } else {
+            "console=ttyS0 quiet panic=-1 rdinit=/init".into()
+        },
+        memory_mib: cfg.limits.memory_bytes >> 20,
+        vcpus: (cfg.limits.cpus.ceil() as u32).max(1),
+        accel: prep.accel.accel,
+        root_disk: Some("/vm/root.ext4".into()),
+        rw_disk: Some("/vm/rw.ext4".into()),
+        channel_fd: Some(CHANNEL_FD),
+        incoming_fd: None,
+        monitor_fd: None,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn vm_thread(
     mut cmd: std::process::Command,
     tx: std::sync::mpsc::SyncSender<io::Result<i32>>,
-    host_end: std::os::unix::net::UnixStream,
+    mut host_end: std::os::unix::net::UnixStream,
+    handshake: Handshake,
+    ready: std::sync::mpsc::SyncSender<io::Result<()>>,
     listener: std::os::unix::net::UnixListener,
     console_r: OwnedFd,
     console: Arc<Mutex<VecDeque<u8>>>,
 ) {
-    let mut child = match cmd.spawn() {
+    let mut child = match jailer::spawn_in_new_pid_namespace(&mut cmd) {
         Ok(c) => c,
         Err(e) => {
             let _ = tx.send(Err(e));
@@ -348,12 +500,31 @@ fn vm_thread(
             c.drain(..excess);
         }
     });
-    let served = tokio::runtime::Builder::new_current_thread().enable_all().build().and_then(|rt| {
-        rt.block_on(async move {
-            host_end.set_nonblocking(true)?;
-            let link = cordon_channel::FdLink::duplex(OwnedFd::from(host_end))?;
-            let listener = tokio::net::UnixListener::from_std(listener)?;
-            cordon_channel::serve_unix(link, listener).await
+    // The exchange before the agent link: it ends with an error if the VMM dies (EOF).
+    let _ = host_end.set_read_timeout(Some(BOOT_DEADLINE));
+    let said = match handshake {
+        Handshake::Fresh(cfg) => preamble::await_ready(&mut host_end).and_then(|()| preamble::send(&mut host_end, &cfg)),
+        Handshake::Restored(cfg) => preamble::send(&mut host_end, &cfg),
+        Handshake::Template => {
+            let r = preamble::await_ready(&mut host_end);
+            let failed = r.is_err();
+            let _ = ready.send(r);
+            if !failed {
+                // The host saves the VM now and then kills it; the link stays open till then.
+                let _ = child.wait();
+            }
+            Err(io::Error::other("a template serves no agent"))
+        }
+    };
+    let served = said.and_then(|()| {
+        let _ = host_end.set_read_timeout(None);
+        tokio::runtime::Builder::new_current_thread().enable_all().build().and_then(|rt| {
+            rt.block_on(async move {
+                host_end.set_nonblocking(true)?;
+                let link = cordon_channel::FdLink::duplex(OwnedFd::from(host_end))?;
+                let listener = tokio::net::UnixListener::from_std(listener)?;
+                cordon_channel::serve_unix(link, listener).await
+            })
         })
     });
     if let Err(e) = served {

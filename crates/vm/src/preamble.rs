@@ -1,21 +1,38 @@
-//! The first bytes on the agent link: the sandbox's configuration, sent by the host before the
-//! multiplexed streams begin. Keeping it on the link (rather than the kernel command line, which
-//! is limited to 2 KiB and visible in /proc/cmdline to every process) also lets a restored,
-//! already-booted VM receive its identity after the fact.
+//! The first bytes on the agent link, before the multiplexed streams begin: the sandbox's
+//! configuration and the time. Keeping the config on the link (rather than the kernel command
+//! line, which is limited to 2 KiB and visible in /proc/cmdline to every process) also lets a
+//! VM restored from a snapshot receive its identity after the fact.
 //!
-//! Format: a 4-byte little-endian length, then that many bytes of JSON ([`GuestConfig`]).
+//! The exchange, guest first:
+//! 1. guest: `R`, "ready for the config" (a snapshot is taken right after it, see
+//!    [`crate::snapshot`]);
+//! 2. host: a 4-byte little-endian length, then that many bytes of JSON ([`GuestConfig`]);
+//! 3. guest: `T`, "the time, now";
+//! 4. host: seconds and nanoseconds since the epoch (u64 and u32, little-endian).
+//!
+//! The time comes last and on request because a cold guest reads the config seconds after the
+//! host could have sent it, and a restored one reads it in a state saved long before: either
+//! way only a fresh answer sets the guest's clock right. A restored guest said `R` before its
+//! snapshot was taken, so the host sends its config without waiting for it.
 
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Largest config accepted: bounds what a broken host side could make the guest allocate.
 const MAX: usize = 1 << 20;
+pub const READY: u8 = b'R';
+pub const TIME: u8 = b'T';
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub struct GuestConfig {
     pub hostname: String,
     pub agent: cordon_agent::AgentConfig,
+    /// Fresh randomness from the host, mixed into the guest's kernel RNG, which then reseeds:
+    /// VMs restored from one snapshot would otherwise share the RNG state it holds.
+    #[serde(default)]
+    pub seed: Vec<u8>,
 }
 
 pub fn encode(cfg: &GuestConfig) -> Vec<u8> {
@@ -25,13 +42,47 @@ pub fn encode(cfg: &GuestConfig) -> Vec<u8> {
     out
 }
 
-pub fn write(w: &mut impl Write, cfg: &GuestConfig) -> io::Result<()> {
-    w.write_all(&encode(cfg))
+fn expect_byte(r: &mut impl Read, want: u8) -> io::Result<()> {
+    let mut b = [0u8; 1];
+    r.read_exact(&mut b)?;
+    if b[0] != want {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("expected {:?} from the guest, got byte {}", want as char, b[0])));
+    }
+    Ok(())
 }
 
-/// Reads the config from the (still blocking) port. A virtio port reads 0 bytes while the host
-/// side is not connected yet, so short reads are retried until the deadline.
-pub fn read(fd: &OwnedFd) -> io::Result<GuestConfig> {
+/// Host: waits for the guest's `R`.
+pub fn await_ready(link: &mut impl Read) -> io::Result<()> {
+    expect_byte(link, READY)
+}
+
+/// Host: the rest of the exchange, from the config on (after [`await_ready`] for a fresh boot).
+pub fn send(link: &mut (impl Read + Write), cfg: &GuestConfig) -> io::Result<()> {
+    link.write_all(&encode(cfg))?;
+    expect_byte(link, TIME)?;
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let mut t = now.as_secs().to_le_bytes().to_vec();
+    t.extend_from_slice(&now.subsec_nanos().to_le_bytes());
+    link.write_all(&t)
+}
+
+/// Guest: the whole exchange on the (still blocking) port; returns the config and the host's
+/// time.
+pub fn receive(fd: &OwnedFd) -> io::Result<(GuestConfig, SystemTime)> {
+    let mut f = FdReader(fd);
+    f.write_all(&[READY])?;
+    let cfg = read(fd)?;
+    f.write_all(&[TIME])?;
+    let mut t = [0u8; 12];
+    read_exact_patient(&mut f, &mut t)?;
+    let secs = u64::from_le_bytes(t[..8].try_into().expect("8 bytes"));
+    let nanos = u32::from_le_bytes(t[8..].try_into().expect("4 bytes"));
+    Ok((cfg, UNIX_EPOCH + Duration::new(secs, nanos.min(999_999_999))))
+}
+
+/// Reads the config. A virtio port reads 0 bytes while the host side is not connected yet, so
+/// short reads are retried until the deadline.
+fn read(fd: &OwnedFd) -> io::Result<GuestConfig> {
     let mut f = FdReader(fd);
     let mut len = [0u8; 4];
     read_exact_patient(&mut f, &mut len)?;
@@ -64,6 +115,21 @@ fn read_exact_patient(r: &mut impl Read, mut buf: &mut [u8]) -> io::Result<()> {
 
 struct FdReader<'a>(&'a OwnedFd);
 
+impl Write for FdReader<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        // SAFETY: a valid buffer of the given length and an open descriptor.
+        let n = unsafe { libc::write(self.0.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 impl Read for FdReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         // SAFETY: a valid buffer of the given length and an open descriptor.
@@ -79,9 +145,8 @@ impl Read for FdReader<'_> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn round_trip() {
-        let cfg = GuestConfig {
+    fn config() -> GuestConfig {
+        GuestConfig {
             hostname: "ixyz".into(),
             agent: cordon_agent::AgentConfig {
                 sandbox_id: "ixyz".into(),
@@ -91,12 +156,30 @@ mod tests {
                 root: "/".into(),
                 envd_version: None,
             },
-        };
-        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let mut a = a;
-        write(&mut a, &cfg).unwrap();
-        let got = read(&OwnedFd::from(b)).unwrap();
+            seed: vec![7; 32],
+        }
+    }
+
+    #[test]
+    fn the_exchange_carries_config_seed_and_a_fresh_time() {
+        let (host, guest) = std::os::unix::net::UnixStream::pair().unwrap();
+        let guest = std::thread::spawn(move || receive(&OwnedFd::from(guest)).unwrap());
+        let mut host = host;
+        await_ready(&mut host).unwrap();
+        let sent_at = SystemTime::now();
+        send(&mut host, &config()).unwrap();
+        let (got, time) = guest.join().unwrap();
         assert_eq!(got.hostname, "ixyz");
-        assert_eq!(got.agent.env, cfg.agent.env);
+        assert_eq!(got.agent.env, config().agent.env);
+        assert_eq!(got.seed, vec![7; 32]);
+        assert!(time >= sent_at - Duration::from_secs(1) && time <= SystemTime::now(), "{time:?}");
+    }
+
+    #[test]
+    fn a_host_that_hears_something_else_than_ready_says_what() {
+        let (mut host, mut guest) = std::os::unix::net::UnixStream::pair().unwrap();
+        guest.write_all(b"x").unwrap();
+        let e = await_ready(&mut host).unwrap_err();
+        assert!(e.to_string().contains("expected 'R'"), "{e}");
     }
 }

@@ -56,6 +56,10 @@ pub struct BootSpec {
     pub rw_disk: Option<PathBuf>,
     /// The host end of the agent channel, as a descriptor number in the VMM process.
     pub channel_fd: Option<i32>,
+    /// Start from the machine state readable on this descriptor instead of booting.
+    pub incoming_fd: Option<i32>,
+    /// A QMP monitor on this socket descriptor (template VMs only, to save their state).
+    pub monitor_fd: Option<i32>,
 }
 
 pub trait Vmm: Send + Sync {
@@ -173,6 +177,12 @@ impl Vmm for Qemu {
                     format!("virtserialport,chardev=agent,name={}", crate::guest::PORT_NAME),
                 ],
             );
+        }
+        if let Some(fd) = s.monitor_fd {
+            a.extend(["-chardev".to_string(), format!("socket,id=monitor,fd={fd}"), "-mon".into(), "chardev=monitor,mode=control".into()]);
+        }
+        if let Some(fd) = s.incoming_fd {
+            a.extend(["-incoming".to_string(), format!("fd:{fd}")]);
         }
         a.push("-append".into());
         a.push(cmdline);

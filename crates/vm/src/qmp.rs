@@ -1,0 +1,84 @@
+//! Just enough of the QEMU Machine Protocol to take a snapshot: JSON lines over a socket the
+//! VMM was given as its monitor (`-chardev socket,fd=N -mon mode=control`). Only template VMs
+//! get one; the VMs that serve sandboxes have no monitor at all.
+
+use serde_json::{json, Value};
+use std::io::{self, BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+pub struct Qmp {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+fn proto(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+impl Qmp {
+    /// Reads the greeting and leaves capability negotiation, as every QMP client must.
+    pub fn connect(sock: UnixStream, timeout: Duration) -> io::Result<Qmp> {
+        sock.set_read_timeout(Some(timeout))?;
+        let writer = sock.try_clone()?;
+        let mut q = Qmp { reader: BufReader::new(sock), writer };
+        let greeting = q.line()?;
+        if greeting.get("QMP").is_none() {
+            return Err(proto(format!("not a QMP greeting: {greeting}")));
+        }
+        q.execute("qmp_capabilities", json!({}))?;
+        Ok(q)
+    }
+
+    fn line(&mut self) -> io::Result<Value> {
+        let mut l = String::new();
+        if self.reader.read_line(&mut l)? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        serde_json::from_str(&l).map_err(|e| proto(format!("QMP sent {l:?}: {e}")))
+    }
+
+    /// Runs one command and returns its `return` value; events that arrive meanwhile are
+    /// skipped.
+    pub fn execute(&mut self, command: &str, arguments: Value) -> io::Result<Value> {
+        let msg = json!({ "execute": command, "arguments": arguments });
+        self.writer.write_all(format!("{msg}\n").as_bytes())?;
+        self.reply(command)
+    }
+
+    fn reply(&mut self, command: &str) -> io::Result<Value> {
+        loop {
+            let v = self.line()?;
+            if let Some(r) = v.get("return") {
+                return Ok(r.clone());
+            }
+            if let Some(e) = v.get("error") {
+                return Err(io::Error::other(format!("QMP {command}: {}", e["desc"].as_str().unwrap_or("failed"))));
+            }
+        }
+    }
+
+    /// Migrates the running VM into `file` and waits until it is written. The VM stops when
+    /// the migration completes; its state says it was running, so a VMM started with
+    /// `-incoming` on that state resumes the guest by itself.
+    pub fn migrate_to(&mut self, file: &std::fs::File, deadline: Duration) -> io::Result<()> {
+        use std::os::fd::AsFd;
+        // The descriptor travels on the `getfd` command that names it.
+        let getfd = json!({ "execute": "getfd", "arguments": { "fdname": "snapshot" } });
+        cordon_jail::send_fd_with(self.writer.as_fd(), file.as_fd(), format!("{getfd}\n").as_bytes())?;
+        self.reply("getfd")?;
+        self.execute("migrate", json!({ "uri": "fd:snapshot" }))?;
+        let end = Instant::now() + deadline;
+        loop {
+            let st = self.execute("query-migrate", json!({}))?;
+            match st["status"].as_str() {
+                Some("completed") => return Ok(()),
+                Some("failed") | Some("cancelled") => {
+                    return Err(io::Error::other(format!("migration {}: {}", st["status"], st["error-desc"].as_str().unwrap_or(""))));
+                }
+                _ if Instant::now() > end => return Err(io::Error::new(io::ErrorKind::TimedOut, "migration did not complete")),
+                _ => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
