@@ -208,7 +208,7 @@ impl VmTier {
         if memory_mib < MIN_MEMORY_MIB {
             return Err(VmError::BadRequest(format!("the vm tier needs a memory cap of at least {MIN_MEMORY_MIB}M (the guest kernel and agent live in it)")));
         }
-        if !snapshot::enabled() {
+        if !snapshot::enabled() || !self.vmm.snapshots() {
             return self.boot(cfg, prep, Start::Cold);
         }
         match self.snapshot_for(cfg, prep) {

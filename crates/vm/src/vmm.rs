@@ -67,6 +67,12 @@ pub trait Vmm: Send + Sync {
     /// The binary, as found on the host.
     fn binary(&self) -> &Path;
     fn args(&self, spec: &BootSpec) -> Vec<String>;
+    /// Whether VMs can start from a saved state: `monitor_fd` then takes QMP and `incoming_fd`
+    /// a state to resume (see [`crate::snapshot`]). Firecracker's own snapshot API would be
+    /// another way to provide it.
+    fn snapshots(&self) -> bool {
+        false
+    }
 }
 
 /// QEMU with `-M microvm`: no PCI, no firmware tables beyond ACPI, virtio-mmio devices only.
@@ -126,6 +132,10 @@ impl Vmm for Qemu {
 
     fn binary(&self) -> &Path {
         &self.bin
+    }
+
+    fn snapshots(&self) -> bool {
+        true
     }
 
     fn args(&self, s: &BootSpec) -> Vec<String> {
