@@ -98,7 +98,9 @@ pub fn of(snapshots: &Path, vmm: &dyn Vmm, spec: &BootSpec, host_files: &[&Path]
 
 /// Holds the snapshot's build lock: two cordon processes that need the same snapshot build it
 /// once.
-pub struct BuildLock(#[allow(dead_code)] fs::File);
+pub struct BuildLock {
+    _file: fs::File,
+}
 
 pub fn lock(snap: &Snapshot) -> io::Result<BuildLock> {
     let path = snap.dir.with_extension("lock");
@@ -107,7 +109,7 @@ pub fn lock(snap: &Snapshot) -> io::Result<BuildLock> {
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(BuildLock(f))
+    Ok(BuildLock { _file: f })
 }
 
 /// Moves a finished template (`tmp` holds `state` and `rw.ext4`) into place.
