@@ -138,27 +138,12 @@ fn the_image_cannot_be_modified_from_inside(tier: Tier) {
 /// The vm tier's copy of the image, the ext4 disk every guest of it shares: unchanged, byte for
 /// byte, by a guest whose root rewrites /etc/passwd and deletes python.
 fn the_image_disk_cannot_be_modified_from_a_guest(tier: Tier) {
-    use std::hash::Hasher;
-    let disks = || -> Vec<(std::path::PathBuf, u64)> {
+    let disks = || -> Vec<(u64, std::path::PathBuf)> {
         let mut v: Vec<_> = std::fs::read_dir(state_dir().join("vm/disks"))
             .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("base-"))).collect())
             .unwrap_or_default();
         v.sort();
-        v.into_iter()
-            .map(|p| {
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                let mut f = std::fs::File::open(&p).unwrap();
-                let mut buf = vec![0u8; 1 << 20];
-                loop {
-                    let n = std::io::Read::read(&mut f, &mut buf).unwrap();
-                    if n == 0 {
-                        break;
-                    }
-                    h.write(&buf[..n]);
-                }
-                (p, h.finish())
-            })
-            .collect()
+        v.into_iter().map(|p| (file_digest(&p), p)).collect()
     };
     // The first guest of the image makes its disk.
     assert_eq!(sh(&tier.flags(&[]), "true").code, 0);

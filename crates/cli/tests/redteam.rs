@@ -83,16 +83,9 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap()
 }
 
-fn file_hash(path: &str) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    std::fs::read(path).unwrap().hash(&mut h);
-    h.finish()
-}
-
 fn root_inside_cannot_reach_the_kernel_surface_the_policy_denies(t: Tier) {
     let host_name = hostname();
-    let exe_hash = file_hash(env!("CARGO_BIN_EXE_cordon"));
+    let exe_hash = file_digest(std::path::Path::new(env!("CARGO_BIN_EXE_cordon")));
     let before = std::time::SystemTime::now();
     let core_pattern = std::fs::read("/proc/sys/kernel/core_pattern").unwrap();
     let (res, chroot) = probe(t, &["--user", "root"]);
@@ -145,7 +138,7 @@ fn root_inside_cannot_reach_the_kernel_surface_the_policy_denies(t: Tier) {
 
 fn host_untouched(host_name: &str, exe_hash: u64, before: std::time::SystemTime) {
     assert_eq!(hostname(), host_name, "host hostname changed");
-    assert_eq!(file_hash(env!("CARGO_BIN_EXE_cordon")), exe_hash, "the cordon binary changed");
+    assert_eq!(file_digest(std::path::Path::new(env!("CARGO_BIN_EXE_cordon"))), exe_hash, "the cordon binary changed");
     let now = std::time::SystemTime::now();
     assert!(now >= before && now.duration_since(before).unwrap().as_secs() < 120, "host clock moved");
 }

@@ -173,21 +173,15 @@ fn files_and_stdin_go_through_the_agent() {
 /// `cordon run --json --tier vm` with the vm crate's log on stderr, and extra environment.
 fn vm_run_logged(env: &[(&str, &str)], script: &str) -> Run {
     ensure_base();
-    let out = cordon()
-        .env("RUST_LOG", "cordon_vm=debug")
-        .envs(env.iter().copied())
-        .args(["run", "--json", "--tier", "vm", "--", "bash", "-c", script])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, last) = stdout.trim_end().rsplit_once('\n').unwrap_or(("", stdout.trim_end()));
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: format!("{body}\n"),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        record: serde_json::from_str(last).unwrap_or_default(),
-    }
+    parse(
+        cordon()
+            .env("RUST_LOG", "cordon_vm=debug")
+            .envs(env.iter().copied())
+            .args(["run", "--json", "--tier", "vm", "--", "bash", "-c", script])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap(),
+    )
 }
 
 fn snapshots() -> Vec<String> {
@@ -199,15 +193,11 @@ fn snapshots() -> Vec<String> {
 }
 
 /// A digest of every file of every snapshot.
-fn snapshot_digest() -> u64 {
-    use std::hash::Hasher;
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    for s in snapshots() {
-        for f in ["state", "rw.ext4"] {
-            h.write(&std::fs::read(state_dir().join("vm/snapshots").join(&s).join(f)).unwrap());
-        }
-    }
-    h.finish()
+fn snapshot_digest() -> Vec<u64> {
+    snapshots()
+        .iter()
+        .flat_map(|s| ["state", "rw.ext4"].map(|f| file_digest(&state_dir().join("vm/snapshots").join(s).join(f))))
+        .collect()
 }
 
 const IDENTITY: &str = "date +%s; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; \

@@ -396,7 +396,7 @@ impl VmTier {
         vm.pid = pid;
         vm.pidfd = Some(pidfd_open(pid).map_err(io_err("pidfd_open VMM"))?);
         vm.write_record()?;
-        if matches!(spec.monitor_fd, Some(_)) {
+        if spec.monitor_fd.is_some() {
             // A template is done booting when its guest asks for the config.
             match ready_rx.recv_timeout(BOOT_DEADLINE) {
                 Ok(Ok(())) => {}

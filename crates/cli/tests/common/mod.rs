@@ -150,7 +150,8 @@ impl Run {
     }
 }
 
-fn parse(out: Output) -> Run {
+/// Splits `cordon run --json`'s output into the command's stdout and the JSON record.
+pub fn parse(out: Output) -> Run {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let (body, last) = match stdout.trim_end_matches('\n').rsplit_once('\n') {
@@ -291,6 +292,22 @@ pub fn token() -> String {
 fn getrandom(buf: &mut [u8]) {
     use std::io::Read;
     std::fs::File::open("/dev/urandom").unwrap().read_exact(buf).unwrap();
+}
+
+/// A digest of a file's bytes, read in pieces (disk images are GiBs, mostly holes).
+pub fn file_digest(path: &Path) -> u64 {
+    use std::hash::Hasher;
+    use std::io::Read;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut f = std::fs::File::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).unwrap();
+        if n == 0 {
+            return h.finish();
+        }
+        h.write(&buf[..n]);
+    }
 }
 
 pub fn free_bytes(path: &Path) -> u64 {
