@@ -14,7 +14,7 @@ macro_rules! require_vm {
     () => {
         require_root!();
         if let Some(why) = Tier::Vm.unavailable() {
-            eprintln!("skipping: {why}");
+            common::skip(&why);
             return;
         }
     };

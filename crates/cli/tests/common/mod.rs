@@ -12,12 +12,28 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
+/// Says that the calling test is skipped and why: on stderr and, when the suite runs it
+/// (`scripts/test` sets `CORDON_TEST_SKIPS`), as a line `<test>: <why>` in that file, so the
+/// suite's summary lists every skip with its reason (libtest keeps a passing test's stderr).
+pub fn skip(why: &str) {
+    eprintln!("skipping: {why}");
+    if let Some(log) = std::env::var_os("CORDON_TEST_SKIPS") {
+        use std::io::Write;
+        let test = std::thread::current().name().unwrap_or("?").to_string();
+        let bin = std::env::current_exe().ok().and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned())).unwrap_or_default();
+        let bin = bin.rsplit_once('-').map_or(bin.as_str(), |(name, _hash)| name).to_string();
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
+            let _ = writeln!(f, "{bin}::{test}: {why}");
+        }
+    }
+}
+
 /// Skips the calling test, with a printed reason, when not running as root.
 #[macro_export]
 macro_rules! require_root {
     () => {
         if !common::is_root() {
-            eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
+            common::skip("this test runs real sandboxes and needs root (CI runs as root)");
             return;
         }
     };
@@ -76,11 +92,11 @@ macro_rules! tier_tests {
                 #[test]
                 fn $name() {
                     if !super::common::is_root() {
-                        eprintln!("skipping: this test runs real sandboxes and needs root (CI runs as root)");
+                        super::common::skip("this test runs real sandboxes and needs root (CI runs as root)");
                         return;
                     }
                     if let Some(why) = super::common::Tier::$tier.unavailable() {
-                        eprintln!("skipping: {why}");
+                        super::common::skip(&why);
                         return;
                     }
                     super::$name(super::common::Tier::$tier)
@@ -116,8 +132,15 @@ pub fn state_dir() -> PathBuf {
     std::env::var_os("CORDON_TEST_HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/var/lib/cordon"))
 }
 
+/// The `cordon` binary under test: `CORDON_BIN` when set (the suite points it at the release
+/// build, exactly as users get it, while the test harnesses build in the lighter `ci` profile),
+/// else the one cargo built beside this test.
+pub fn cordon_bin() -> PathBuf {
+    std::env::var_os("CORDON_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_cordon")))
+}
+
 pub fn cordon() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cordon"));
+    let mut c = Command::new(cordon_bin());
     c.env("CORDON_HOME", state_dir()).env_remove("RUST_LOG");
     c
 }
