@@ -6,6 +6,7 @@
 //! ([`GVISOR_KERNEL_HANDLES`]).
 
 mod common;
+#[path = "redteam/budgets.rs"] mod budgets;
 
 use common::*;
 use serde_json::Value;

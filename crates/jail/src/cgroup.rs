@@ -142,6 +142,17 @@ impl Cgroup {
                         write(&memsw, &limits.memory_bytes.to_string())?;
                     }
                     let _ = fs::write(dir.join("memory.swappiness"), "0");
+                    // v1 charges kernel TCP buffers to a group only once its TCP limit is set, and
+                    // only for sockets made after that: so it is set here, before anything joins.
+                    // Without it a sandbox's sockets hold host memory outside every cap. The
+                    // counter is separate from the memory limit's on v1 (v2 counts sockets in
+                    // memory.max itself), so it gets the same size.
+                    let tcp = dir.join("memory.kmem.tcp.limit_in_bytes");
+                    if tcp.exists() {
+                        write(&tcp, &limits.memory_bytes.to_string())?;
+                    } else {
+                        tracing::warn!("{} is missing: this kernel cannot cap the sandbox's TCP buffers on cgroup v1", tcp.display());
+                    }
                 }
                 "pids" => write(&dir.join("pids.max"), &limits.pids.to_string())?,
                 "cpu" => {
@@ -307,6 +318,50 @@ mod tests {
     fn missing_controllers_are_named() {
         let layout = Layout { unified: None, v2_controllers: vec!["memory".into()], v1: vec![] };
         assert_eq!(layout.missing(), vec!["pids", "cpu"]);
+    }
+
+    /// A directory tree standing in for the cgroup mounts: the files the kernel would offer are
+    /// made beforehand, and what `create` writes into them is read back.
+    fn fake_root(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("cordon-cg-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn v1_caps_kernel_tcp_buffers_at_the_memory_limit_before_anyone_joins() {
+        let root = fake_root("v1");
+        let layout = Layout { unified: None, v2_controllers: vec![], v1: vec![("memory".into(), root.join("memory"))] };
+        let cg = Cgroup::plan(&layout, "sb");
+        let dir = &cg.v1[0].1;
+        fs::create_dir_all(dir).unwrap();
+        fs::write(dir.join("memory.kmem.tcp.limit_in_bytes"), "9223372036854771712").unwrap();
+        let limits = Limits { memory_bytes: 64 << 20, ..Default::default() };
+        cg.create(&limits).unwrap();
+        let read = |f: &str| fs::read_to_string(dir.join(f)).unwrap();
+        assert_eq!(read("memory.limit_in_bytes"), (64u64 << 20).to_string());
+        assert_eq!(read("memory.kmem.tcp.limit_in_bytes"), (64u64 << 20).to_string());
+        // Nothing has joined: create only writes limits (the jailer joins afterwards).
+        assert!(!dir.join("cgroup.procs").exists());
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn v2_needs_no_tcp_file_sockets_count_in_memory_max() {
+        let root = fake_root("v2");
+        let layout = Layout {
+            unified: Some(root.clone()),
+            v2_controllers: vec!["memory".into(), "pids".into(), "cpu".into()],
+            v1: vec![],
+        };
+        let cg = Cgroup::plan(&layout, "sb");
+        let limits = Limits { memory_bytes: 64 << 20, ..Default::default() };
+        cg.create(&limits).unwrap();
+        let u = cg.unified.as_ref().unwrap();
+        assert_eq!(fs::read_to_string(u.join("memory.max")).unwrap(), (64u64 << 20).to_string());
+        assert!(!u.join("memory.kmem.tcp.limit_in_bytes").exists());
+        fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!    ever holds CAP_NET_ADMIN over it, and bring loopback up; with an egress policy, also the
 //!    TUN device whose descriptor the host takes (see `tun`);
 //! 3. bind the agent's socket on the host side;
-//! 4. clone the sandbox init into new user, mount, pid, ipc, uts and cgroup namespaces;
+//! 4. clone the sandbox init into new user, mount, pid, ipc, uts and cgroup namespaces, the
+//!    user namespace created by the range's own host uid (see `run`);
 //! 5. write its uid/gid maps, clone the image as an idmapped read-only tree through that user
 //!    namespace and hand it over;
 //! 6. wait until the init has exec'd the agent (its end of a close-on-exec socket closes) or
@@ -142,8 +143,19 @@ fn run(cfg: &JailerConfig) -> io::Result<Ready> {
         | libc::CLONE_NEWIPC
         | libc::CLONE_NEWUTS
         | libc::CLONE_NEWCGROUP;
+    // The user namespace is created by the range's own host uid, not by host root. The kernel
+    // counts what the users of a namespace hold (inotify instances and watches, POSIX message
+    // queue bytes, pending signals, locked memory, processes, namespaces) in every ancestor
+    // namespace too, ending at the host uid that created it: made by root, every sandbox would
+    // spend host root's per-user budgets, and one sandbox could exhaust them for the host and
+    // all the others. Made by its own uid, a sandbox has exactly one host user's share.
+    sys::set_effective_ids(cfg.uid_base)?;
     // SAFETY: the jailer is single-threaded (it is a fresh exec that starts no threads).
-    let pid = unsafe { sys::clone_fork(flags)? };
+    let forked = unsafe { sys::clone_fork(flags) };
+    if !matches!(forked, Ok(0)) {
+        sys::set_effective_ids(0)?;
+    }
+    let pid = forked?;
     if pid == 0 {
         drop(parent_end);
         init(cfg, child_end, listener.as_raw_fd(), exe.as_raw_fd());

@@ -25,6 +25,11 @@ pub struct RootPlan<'a> {
     pub nameservers: bool,
 }
 
+/// PTYs one sandbox may hold at once. PTYs of every devpts instance but the host's come from one
+/// host-wide count (`kernel.pty.max` less `kernel.pty.reserve`, 3072 by default), so each
+/// sandbox's instance has its own maximum: enough terminals for any session, far from the pool.
+const PTYS_MAX: u32 = 64;
+
 /// Device nodes bound in from the host's `/dev`: the harmless set every container runtime
 /// provides. A user namespace cannot mknod, and these carry no host state.
 const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
@@ -72,6 +77,7 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
     }
     let nosuid_nodev_noexec = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     sys::mount("proc", Path::new("proc"), "proc", nosuid_nodev_noexec, None)?;
+    zero_nested_namespace_counts()?;
     mask_proc()?;
 
     sys::mount("cordon-dev", Path::new("dev"), "tmpfs", libc::MS_NOSUID | libc::MS_NOEXEC, Some("mode=0755,size=64k,nr_inodes=64"))?;
@@ -86,7 +92,7 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
         Path::new("dev/pts"),
         "devpts",
         libc::MS_NOSUID | libc::MS_NOEXEC,
-        Some("newinstance,ptmxmode=0666,mode=0620"),
+        Some(&format!("newinstance,ptmxmode=0666,mode=0620,max={PTYS_MAX}")),
     )?;
     mkdir(Path::new("dev/shm"), 0o1777)?;
     sys::mount("shm", Path::new("dev/shm"), "tmpfs", nosuid_nodev_noexec, Some(&format!("mode=1777,size={disk}")))?;
@@ -106,6 +112,36 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
     name_host(plan.hostname);
     if plan.nameservers {
         point_resolver_at_gateway()?;
+    }
+    Ok(())
+}
+
+/// Counts of the sandbox's own user namespace (`/proc/sys/user`, which shows the namespace of
+/// whoever reads it) set to zero while its root still holds CAP_SYS_RESOURCE there: the filter
+/// already denies new namespaces and fanotify, and with these the kernel refuses them as well.
+/// What the sandbox's users may hold of the per-user budgets (inotify, message queues) is bounded
+/// one level up, by the host's limits for the host uid that created the namespace (see the
+/// jailer), and needs no entry here.
+const ZERO_IN_USER_NS: [&str; 10] = [
+    "max_user_namespaces",
+    "max_mnt_namespaces",
+    "max_pid_namespaces",
+    "max_net_namespaces",
+    "max_ipc_namespaces",
+    "max_uts_namespaces",
+    "max_cgroup_namespaces",
+    "max_time_namespaces",
+    "max_fanotify_groups",
+    "max_fanotify_marks",
+];
+
+fn zero_nested_namespace_counts() -> io::Result<()> {
+    for name in ZERO_IN_USER_NS {
+        let p = Path::new("proc/sys/user").join(name);
+        // Older kernels lack some of these (time namespaces, fanotify's counts).
+        if p.exists() {
+            fs::write(&p, "0").map_err(|e| io::Error::new(e.kind(), format!("write 0 to /proc/sys/user/{name}: {e}")))?;
+        }
     }
     Ok(())
 }

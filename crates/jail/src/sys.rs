@@ -188,6 +188,25 @@ pub fn become_root() -> io::Result<()> {
     Ok(())
 }
 
+/// Sets the effective (and so the filesystem) uid and gid to `id`, keeping the real and saved
+/// ones: a host-root caller leaves root's privileges unused and can take them back with
+/// `set_effective_ids(0)`, which an unprivileged real id could not.
+pub fn set_effective_ids(id: u32) -> io::Result<()> {
+    let keep = u32::MAX; // -1: leave that id as it is
+    // SAFETY: plain integer syscalls on the calling process's credentials. Leaving root, the
+    // gid goes first (changing it needs root); coming back, the uid does.
+    unsafe {
+        if id == 0 {
+            check(libc::setresuid(keep, 0, keep) as _, "setresuid back to root")?;
+            check(libc::setresgid(keep, 0, keep) as _, "setresgid back to root")?;
+        } else {
+            check(libc::setresgid(keep, id, keep) as _, "setresgid")?;
+            check(libc::setresuid(keep, id, keep) as _, "setresuid")?;
+        }
+    }
+    Ok(())
+}
+
 pub fn setrlimit(res: libc::__rlimit_resource_t, soft: u64, hard: u64) -> io::Result<()> {
     let lim = libc::rlimit { rlim_cur: soft, rlim_max: hard };
     // SAFETY: `lim` is a valid rlimit for the duration of the call.
