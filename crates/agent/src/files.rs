@@ -1,24 +1,24 @@
 //! `GET /files` (download) and `POST /files` (upload: octet-stream or multipart, optionally
 //! gzip-encoded). Bodies stream between the socket and the disk; nothing is held in memory whole.
 
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use cordon_envd::files::{FilesError, WriteInfo, METADATA_HEADER_PREFIX};
+use cordon_envd::files::{FilesError, FilesQuery, WriteInfo, METADATA_HEADER_PREFIX};
 use flate2::write::{GzDecoder, GzEncoder};
 use hyper::body::{Body as _, Incoming};
 use hyper::header::{HeaderMap, ACCEPT_ENCODING, AUTHORIZATION, CONTENT_ENCODING, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use tokio::sync::mpsc;
 
-use crate::filesystem::create_dirs_owned;
+use crate::as_user::as_user;
+use crate::filesystem::create_dirs;
 use crate::http::{json, Body};
 use crate::users::{parse_basic_auth, resolve_path, User};
 use crate::{xattr, Agent};
@@ -44,46 +44,14 @@ fn error(status: StatusCode, message: impl Into<String>) -> FilesErr {
     FilesErr { status, message: message.into() }
 }
 
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < b.len() => {
-                let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
-                match hex {
-                    Some(v) => {
-                        out.push(v);
-                        i += 2;
-                    }
-                    None => out.push(b'%'),
-                }
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-fn query(req: &Request<Incoming>) -> HashMap<String, String> {
-    req.uri()
-        .query()
-        .unwrap_or("")
-        .split('&')
-        .filter(|kv| !kv.is_empty())
-        .map(|kv| {
-            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-            (percent_decode(k), percent_decode(v))
-        })
-        .collect()
+/// The decoded query; a parameter given twice is refused (see [`FilesQuery::parse`]).
+fn query(req: &Request<Incoming>) -> FilesResult<FilesQuery> {
+    FilesQuery::parse(req.uri().query()).map_err(|e| error(StatusCode::BAD_REQUEST, e.to_string()))
 }
 
 /// The user from `?username=`, else `Authorization: Basic`, else the default user.
-fn user(agent: &Agent, q: &HashMap<String, String>, h: &HeaderMap) -> FilesResult<User> {
-    let name = match q.get("username").filter(|u| !u.is_empty()) {
+fn user(agent: &Agent, q: &FilesQuery, h: &HeaderMap) -> FilesResult<User> {
+    let name = match q.username.as_ref().filter(|u| !u.is_empty()) {
         Some(u) => u.clone(),
         None => match h.get(AUTHORIZATION) {
             Some(v) => v
@@ -120,15 +88,40 @@ pub(crate) async fn download(agent: Arc<Agent>, req: Request<Incoming>) -> Respo
 }
 
 fn download_inner(agent: &Agent, req: &Request<Incoming>) -> FilesResult<Response<Body>> {
-    let q = query(req);
+    let q = query(req)?;
     let user = user(agent, &q, req.headers())?;
-    let raw = q.get("path").filter(|p| !p.is_empty()).ok_or_else(|| error(StatusCode::BAD_REQUEST, "path is required"))?;
+    let raw = q.path.as_ref().filter(|p| !p.is_empty()).ok_or_else(|| error(StatusCode::BAD_REQUEST, "path is required"))?;
     let path = resolve_path(raw, &user.home);
+    // Opened with the user's rights: their symlinks and permissions decide, not root's. The
+    // open file is then read as any descriptor.
+    let file = as_user_or_500(&user, || open_for_download(&path))?;
+    let gzip = accepts_gzip(req.headers());
+    let mut resp = Response::builder()
+        .status(StatusCode::OK)
+        .header(CONTENT_TYPE, "application/octet-stream")
+        .header("content-disposition", content_disposition(&path));
+    if gzip {
+        resp = resp.header(CONTENT_ENCODING, "gzip");
+    }
+    if req.method() == Method::HEAD {
+        return Ok(resp.body(Body::empty()).unwrap_or_else(|_| Response::new(Body::empty())));
+    }
+    let (tx, rx) = mpsc::channel(2);
+    tokio::spawn(send_file(file, gzip, tx));
+    Ok(resp.body(Body::channel(rx)).unwrap_or_else(|_| Response::new(Body::empty())))
+}
+
+/// Runs `f` with `user`'s credentials (see [`as_user`]); a refused switch is a 500.
+fn as_user_or_500<T>(user: &User, f: impl FnOnce() -> FilesResult<T>) -> FilesResult<T> {
+    as_user(user, f).unwrap_or_else(|e| Err(error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())))
+}
+
+fn open_for_download(path: &Path) -> FilesResult<File> {
     // O_NONBLOCK: opening a FIFO must not hang the agent; regular files ignore the flag.
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(&path)
+        .open(path)
         .map_err(|e| match e.kind() {
             io::ErrorKind::NotFound => error(StatusCode::NOT_FOUND, format!("path '{}' does not exist", path.display())),
             io::ErrorKind::PermissionDenied => {
@@ -146,20 +139,7 @@ fn download_inner(agent: &Agent, req: &Request<Incoming>) -> FilesResult<Respons
         // Devices and pipes could block the agent or never end.
         return Err(error(StatusCode::BAD_REQUEST, format!("path '{}' is not a regular file", path.display())));
     }
-    let gzip = accepts_gzip(req.headers());
-    let mut resp = Response::builder()
-        .status(StatusCode::OK)
-        .header(CONTENT_TYPE, "application/octet-stream")
-        .header("content-disposition", content_disposition(&path));
-    if gzip {
-        resp = resp.header(CONTENT_ENCODING, "gzip");
-    }
-    if req.method() == Method::HEAD {
-        return Ok(resp.body(Body::empty()).unwrap_or_else(|_| Response::new(Body::empty())));
-    }
-    let (tx, rx) = mpsc::channel(2);
-    tokio::spawn(send_file(file, gzip, tx));
-    Ok(resp.body(Body::channel(rx)).unwrap_or_else(|_| Response::new(Body::empty())))
+    Ok(file)
 }
 
 fn content_disposition(path: &Path) -> String {
@@ -286,17 +266,27 @@ fn body_error(e: io::Error) -> FilesErr {
 struct Upload {
     file: File,
     path: PathBuf,
+    user: User,
 }
 
 impl Upload {
+    /// Creates (or truncates) `path` and its missing parents with `user`'s credentials, so they
+    /// belong to the user, and a path the user may not write (through a symlink of theirs, or
+    /// not) is refused as it would be for their own process.
     fn create(path: &Path, user: &User) -> FilesResult<Upload> {
+        let file = as_user_or_500(user, || Upload::open(path))?;
+        Ok(Upload { file, path: path.to_path_buf(), user: user.clone() })
+    }
+
+    fn open(path: &Path) -> FilesResult<File> {
         if path.is_dir() {
             return Err(error(StatusCode::BAD_REQUEST, format!("path '{}' is a directory", path.display())));
         }
         if let Some(parent) = path.parent() {
-            create_dirs_owned(parent, user.uid, user.gid).map_err(|e| {
+            create_dirs(parent).map_err(|e| {
                 let status = match e.kind() {
                     io::ErrorKind::NotADirectory | io::ErrorKind::AlreadyExists => StatusCode::BAD_REQUEST,
+                    io::ErrorKind::PermissionDenied => StatusCode::FORBIDDEN,
                     _ => StatusCode::INTERNAL_SERVER_ERROR,
                 };
                 error(status, format!("cannot create the parent directories of '{}': {e}", path.display()))
@@ -309,19 +299,20 @@ impl Upload {
             .mode(0o644)
             .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
             .open(path)
-            .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot open '{}': {e}", path.display())))?;
+            .map_err(|e| {
+                let status = match e.kind() {
+                    io::ErrorKind::PermissionDenied => StatusCode::FORBIDDEN,
+                    _ => StatusCode::INTERNAL_SERVER_ERROR,
+                };
+                error(status, format!("cannot open '{}': {e}", path.display()))
+            })?;
         let md = file
             .metadata()
             .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot stat '{}': {e}", path.display())))?;
         if !md.is_file() {
             return Err(error(StatusCode::BAD_REQUEST, format!("path '{}' is not a regular file", path.display())));
         }
-        if md.uid() != user.uid || md.gid() != user.gid {
-            std::os::unix::fs::fchown(&file, Some(user.uid), Some(user.gid)).map_err(|e| {
-                error(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot chown '{}': {e}", path.display()))
-            })?;
-        }
-        Ok(Upload { file, path: path.to_path_buf() })
+        Ok(file)
     }
 
     fn write(&mut self, data: &[u8]) -> FilesResult<()> {
@@ -336,16 +327,19 @@ impl Upload {
     }
 
     fn finish(self, metadata: &[(String, String)]) -> FilesResult<WriteInfo> {
-        for (k, v) in metadata {
-            xattr::write(&self.path, k, v).map_err(|e| {
-                error(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot store metadata on '{}': {e}", self.path.display()))
-            })?;
-        }
-        Ok(WriteInfo {
-            name: self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
-            entry_type: Some("file".to_string()),
-            path: self.path.to_string_lossy().into_owned(),
-            metadata: xattr::read(&self.path),
+        let path = &self.path;
+        as_user_or_500(&self.user, || {
+            for (k, v) in metadata {
+                xattr::write(path, k, v).map_err(|e| {
+                    error(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot store metadata on '{}': {e}", path.display()))
+                })?;
+            }
+            Ok(WriteInfo {
+                name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+                entry_type: Some("file".to_string()),
+                path: path.to_string_lossy().into_owned(),
+                metadata: xattr::read(path),
+            })
         })
     }
 }
@@ -374,7 +368,7 @@ pub(crate) async fn upload(agent: Arc<Agent>, req: Request<Incoming>) -> Respons
 }
 
 async fn upload_inner(agent: &Agent, req: Request<Incoming>) -> FilesResult<Vec<WriteInfo>> {
-    let q = query(&req);
+    let q = query(&req)?;
     let user = user(agent, &q, req.headers())?;
     let metadata = metadata_headers(req.headers())?;
     let gzip = req
@@ -383,7 +377,7 @@ async fn upload_inner(agent: &Agent, req: Request<Incoming>) -> FilesResult<Vec<
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.split(',').any(|c| c.trim().eq_ignore_ascii_case("gzip")));
     let ct = req.headers().get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
-    let query_path = q.get("path").filter(|p| !p.is_empty()).cloned();
+    let query_path = q.path.clone().filter(|p| !p.is_empty());
     let stream = BodyStream::new(req.into_body(), gzip);
 
     if cordon_envd::connect::media_type(&ct).eq_ignore_ascii_case("multipart/form-data") {
@@ -430,17 +424,4 @@ async fn upload_inner(agent: &Agent, req: Request<Incoming>) -> FilesResult<Vec<
         up.write(&chunk.map_err(body_error)?)?;
     }
     Ok(vec![up.finish(&metadata)?])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn decodes_query_values() {
-        assert_eq!(percent_decode("a%20b+c%2Fd"), "a b c/d");
-        assert_eq!(percent_decode("100%"), "100%");
-        assert_eq!(percent_decode("%zz"), "%zz");
-        assert_eq!(percent_decode("%41"), "A");
-    }
 }

@@ -1,7 +1,7 @@
 //! The `filesystem.Filesystem` service, and the `EntryInfo` of a path.
 //!
-//! Operations run with the agent's own (root) rights, as envd's do; what they create is handed
-//! to the calling user.
+//! Every operation runs with the calling user's credentials (see [`crate::as_user`]): the kernel
+//! checks each path as it would for that user's own process, and what is created is theirs.
 
 use std::fs;
 use std::io;
@@ -53,8 +53,8 @@ pub(crate) async fn dispatch(agent: Arc<Agent>, method: &str, req: Request<Incom
         "Remove" => rpc::unary(req, |m, ctx| async move { remove(&agent, m, &ctx) }).await,
         "WatchDir" => {
             rpc::server_stream(req, |m: WatchDirRequest, ctx, tx| async move {
-                let (_, path) = resolve(&agent, &ctx, &m.path)?;
-                let w = watch::Watch::open(path, &m, agent.config.root.clone())?;
+                let (user, path) = resolve(&agent, &ctx, &m.path)?;
+                let w = watch::Watch::open(path, &m, agent.config.root.clone(), user)?;
                 tokio::spawn(watch::stream(w, tx, ctx.keepalive, ctx.timeout));
                 Ok(())
             })
@@ -184,8 +184,8 @@ pub(crate) fn entry_info(path: &Path, db: &UserDb) -> io::Result<EntryInfo> {
     })
 }
 
-/// Creates `dir` and any missing parents, handing each created directory to `uid:gid`.
-pub(crate) fn create_dirs_owned(dir: &Path, uid: u32, gid: u32) -> io::Result<()> {
+/// Creates `dir` and any missing parents (with the caller's credentials, so they are its).
+pub(crate) fn create_dirs(dir: &Path) -> io::Result<()> {
     let mut missing = Vec::new();
     let mut cur = Some(dir);
     while let Some(p) = cur {
@@ -200,7 +200,7 @@ pub(crate) fn create_dirs_owned(dir: &Path, uid: u32, gid: u32) -> io::Result<()
     }
     for d in missing.into_iter().rev() {
         match fs::create_dir(d) {
-            Ok(()) => std::os::unix::fs::lchown(d, Some(uid), Some(gid))?,
+            Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(e),
         }
@@ -208,57 +208,72 @@ pub(crate) fn create_dirs_owned(dir: &Path, uid: u32, gid: u32) -> io::Result<()
     Ok(())
 }
 
+/// Runs `f` with `user`'s credentials; a refused switch is an internal error.
+fn as_user<T>(user: &User, f: impl FnOnce() -> Result<T, ConnectError>) -> Result<T, ConnectError> {
+    crate::as_user::as_user(user, f).unwrap_or_else(|e| Err(ConnectError::internal(e.to_string())))
+}
+
 fn stat(agent: &Agent, req: StatRequest, ctx: &CallCtx) -> Result<StatResponse, ConnectError> {
-    let (_, path) = resolve(agent, ctx, &req.path)?;
-    let entry = entry_info(&path, &agent.users()).map_err(|e| io_error("error getting file info", &path, e))?;
+    let (user, path) = resolve(agent, ctx, &req.path)?;
+    let db = agent.users();
+    let entry = as_user(&user, || entry_info(&path, &db).map_err(|e| io_error("error getting file info", &path, e)))?;
     Ok(StatResponse { entry: Some(entry) })
 }
 
 fn make_dir(agent: &Agent, req: MakeDirRequest, ctx: &CallCtx) -> Result<MakeDirResponse, ConnectError> {
     let (user, path) = resolve(agent, ctx, &req.path)?;
-    match fs::metadata(&path) {
-        Ok(m) if m.is_dir() => {
-            return Err(ConnectError::new(
-                Code::AlreadyExists,
-                format!("directory '{}' already exists", path.display()),
-            ))
+    let db = agent.users();
+    let entry = as_user(&user, || {
+        match fs::metadata(&path) {
+            Ok(m) if m.is_dir() => {
+                return Err(ConnectError::new(
+                    Code::AlreadyExists,
+                    format!("directory '{}' already exists", path.display()),
+                ))
+            }
+            Ok(_) => {
+                return Err(ConnectError::invalid_argument(format!(
+                    "path '{}' already exists but is not a directory",
+                    path.display()
+                )))
+            }
+            Err(_) => {}
         }
-        Ok(_) => {
-            return Err(ConnectError::invalid_argument(format!(
-                "path '{}' already exists but is not a directory",
-                path.display()
-            )))
-        }
-        Err(_) => {}
-    }
-    create_dirs_owned(&path, user.uid, user.gid).map_err(|e| match e.kind() {
-        // A file in the way of a parent.
-        io::ErrorKind::NotADirectory | io::ErrorKind::AlreadyExists => {
-            ConnectError::invalid_argument(format!("cannot create directory '{}': {e}", path.display()))
-        }
-        _ => io_error("error creating directory", &path, e),
+        create_dirs(&path).map_err(|e| match e.kind() {
+            // A file in the way of a parent.
+            io::ErrorKind::NotADirectory | io::ErrorKind::AlreadyExists => {
+                ConnectError::invalid_argument(format!("cannot create directory '{}': {e}", path.display()))
+            }
+            _ => io_error("error creating directory", &path, e),
+        })?;
+        entry_info(&path, &db).map_err(|e| io_error("error getting file info", &path, e))
     })?;
-    let entry = entry_info(&path, &agent.users()).map_err(|e| io_error("error getting file info", &path, e))?;
     Ok(MakeDirResponse { entry: Some(entry) })
 }
 
 fn move_entry(agent: &Agent, req: MoveRequest, ctx: &CallCtx) -> Result<MoveResponse, ConnectError> {
     let (user, source) = resolve(agent, ctx, &req.source)?;
     let (_, dest) = resolve(agent, ctx, &req.destination)?;
-    fs::symlink_metadata(&source).map_err(|e| io_error("error getting file info", &source, e))?;
-    if let Some(parent) = dest.parent() {
-        create_dirs_owned(parent, user.uid, user.gid)
-            .map_err(|e| io_error("error creating parent directory", parent, e))?;
-    }
-    fs::rename(&source, &dest).map_err(|e| match e.kind() {
-        io::ErrorKind::NotFound => ConnectError::not_found(format!("path '{}' does not exist", source.display())),
-        _ => ConnectError::internal(format!(
-            "error moving '{}' to '{}': {e}",
-            source.display(),
-            dest.display()
-        )),
+    let db = agent.users();
+    let entry = as_user(&user, || {
+        fs::symlink_metadata(&source).map_err(|e| io_error("error getting file info", &source, e))?;
+        if let Some(parent) = dest.parent() {
+            create_dirs(parent).map_err(|e| io_error("error creating parent directory", parent, e))?;
+        }
+        fs::rename(&source, &dest).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => ConnectError::not_found(format!("path '{}' does not exist", source.display())),
+            io::ErrorKind::PermissionDenied => ConnectError::new(
+                Code::PermissionDenied,
+                format!("error moving '{}' to '{}': {e}", source.display(), dest.display()),
+            ),
+            _ => ConnectError::internal(format!(
+                "error moving '{}' to '{}': {e}",
+                source.display(),
+                dest.display()
+            )),
+        })?;
+        entry_info(&dest, &db).map_err(|e| io_error("error getting file info", &dest, e))
     })?;
-    let entry = entry_info(&dest, &agent.users()).map_err(|e| io_error("error getting file info", &dest, e))?;
     Ok(MoveResponse { entry: Some(entry) })
 }
 
@@ -289,36 +304,42 @@ fn walk(dir: &Path, levels: u32, db: &UserDb, out: &mut Vec<EntryInfo>) -> Resul
 }
 
 fn list_dir(agent: &Agent, req: ListDirRequest, ctx: &CallCtx) -> Result<ListDirResponse, ConnectError> {
-    let (_, path) = resolve(agent, ctx, &req.path)?;
-    let md = fs::metadata(&path).map_err(|e| io_error("error getting file info", &path, e))?;
-    if !md.is_dir() {
-        return Err(ConnectError::invalid_argument(format!("path '{}' is not a directory", path.display())));
-    }
-    // The listing itself must be readable; only deeper levels are best effort.
-    fs::read_dir(&path).map_err(|e| io_error("error reading directory", &path, e))?;
-    let mut entries = Vec::new();
-    walk(&path, req.depth.max(1), &agent.users(), &mut entries)?;
+    let (user, path) = resolve(agent, ctx, &req.path)?;
+    let db = agent.users();
+    let entries = as_user(&user, || {
+        let md = fs::metadata(&path).map_err(|e| io_error("error getting file info", &path, e))?;
+        if !md.is_dir() {
+            return Err(ConnectError::invalid_argument(format!("path '{}' is not a directory", path.display())));
+        }
+        // The listing itself must be readable; only deeper levels are best effort.
+        fs::read_dir(&path).map_err(|e| io_error("error reading directory", &path, e))?;
+        let mut entries = Vec::new();
+        walk(&path, req.depth.max(1), &db, &mut entries)?;
+        Ok(entries)
+    })?;
     Ok(ListDirResponse { entries })
 }
 
 fn remove(agent: &Agent, req: RemoveRequest, ctx: &CallCtx) -> Result<RemoveResponse, ConnectError> {
-    let (_, path) = resolve(agent, ctx, &req.path)?;
-    let md = match fs::symlink_metadata(&path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(RemoveResponse {}),
-        Err(e) => return Err(io_error("error getting file info", &path, e)),
-    };
-    let r = if md.is_dir() { fs::remove_dir_all(&path) } else { fs::remove_file(&path) };
-    match r {
-        Ok(()) => Ok(RemoveResponse {}),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(RemoveResponse {}),
-        Err(e) => Err(io_error("error removing", &path, e)),
-    }
+    let (user, path) = resolve(agent, ctx, &req.path)?;
+    as_user(&user, || {
+        let md = match fs::symlink_metadata(&path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(RemoveResponse {}),
+            Err(e) => return Err(io_error("error getting file info", &path, e)),
+        };
+        let r = if md.is_dir() { fs::remove_dir_all(&path) } else { fs::remove_file(&path) };
+        match r {
+            Ok(()) => Ok(RemoveResponse {}),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(RemoveResponse {}),
+            Err(e) => Err(io_error("error removing", &path, e)),
+        }
+    })
 }
 
 fn create_watcher(agent: &Agent, req: CreateWatcherRequest, ctx: &CallCtx) -> Result<CreateWatcherResponse, ConnectError> {
-    let (_, path) = resolve(agent, ctx, &req.path)?;
-    let w = watch::Watch::open(path, &req, agent.config.root.clone())?;
+    let (user, path) = resolve(agent, ctx, &req.path)?;
+    let w = watch::Watch::open(path, &req, agent.config.root.clone(), user)?;
     let watcher_id = agent.watchers.add(w);
     Ok(CreateWatcherResponse { watcher_id })
 }

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use cordon_envd::connect::ConnectError;
 use serde::{Deserialize, Serialize};
 
+mod as_user;
 mod fdio;
 mod files;
 mod filesystem;

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use crate::fdio::Fd;
 use crate::filesystem::entry_info;
 use crate::rpc::StreamTx;
-use crate::users::UserDb;
+use crate::users::{User, UserDb};
 
 const MASK: u32 = libc::IN_CREATE
     | libc::IN_MODIFY
@@ -60,16 +60,30 @@ pub(crate) struct Watch {
     recursive: bool,
     include_entry: bool,
     users_root: PathBuf,
+    /// Whose credentials new subdirectories are watched and entries described with.
+    user: User,
     buf: Vec<u8>,
     /// The root watch is gone; the events read with that news have been handed out.
     ended: bool,
 }
 
 impl Watch {
-    /// Starts watching `path`. `users_root` is where owner names are looked up for entries.
-    pub fn open(path: PathBuf, req: &WatchDirRequest, users_root: PathBuf) -> Result<Watch, ConnectError> {
+    /// Starts watching `path` for `user`: the directory, and every subdirectory a recursive
+    /// watch adds now or later, is opened with that user's credentials (see
+    /// [`crate::as_user`]), so a watch sees no directory the user could not list. `users_root`
+    /// is where owner names are looked up for entries.
+    pub fn open(path: PathBuf, req: &WatchDirRequest, users_root: PathBuf, user: User) -> Result<Watch, ConnectError> {
+        let as_user = user.clone();
+        crate::as_user::as_user(&as_user, move || Watch::open_as_user(path, req, users_root, user))
+            .unwrap_or_else(|e| Err(ConnectError::internal(e.to_string())))
+    }
+
+    fn open_as_user(path: PathBuf, req: &WatchDirRequest, users_root: PathBuf, user: User) -> Result<Watch, ConnectError> {
         let md = fs::metadata(&path).map_err(|e| match e.kind() {
             io::ErrorKind::NotFound => ConnectError::not_found(format!("path '{}' does not exist", path.display())),
+            io::ErrorKind::PermissionDenied => {
+                ConnectError::new(Code::PermissionDenied, format!("cannot watch '{}': {e}", path.display()))
+            }
             _ => ConnectError::internal(format!("error getting file info of '{}': {e}", path.display())),
         })?;
         if !md.is_dir() {
@@ -97,12 +111,17 @@ impl Watch {
             recursive: req.recursive,
             include_entry: req.include_entry,
             users_root,
+            user,
             buf: vec![0u8; READ_BUF],
             ended: false,
         };
-        w.root_wd = w
-            .add(&path, String::new(), false)
-            .map_err(|e| ConnectError::internal(format!("cannot watch '{}': {e}", path.display())))?;
+        w.root_wd = w.add(&path, String::new(), false).map_err(|e| {
+            let what = format!("cannot watch '{}': {e}", path.display());
+            match e.kind() {
+                io::ErrorKind::PermissionDenied => ConnectError::new(Code::PermissionDenied, what),
+                _ => ConnectError::internal(what),
+            }
+        })?;
         if w.recursive {
             w.add_tree(&path, "");
         }
@@ -152,7 +171,11 @@ impl Watch {
             let mut buf = std::mem::take(&mut self.buf);
             let r = self.fd.read(&mut buf).await;
             let out = match r {
-                Ok(n) => Ok(self.parse(&buf[..n])),
+                // New subdirectories are watched, and entries described, as the user.
+                Ok(n) => {
+                    let user = self.user.clone();
+                    crate::as_user::as_user(&user, || self.parse(&buf[..n]))
+                }
                 Err(e) => Err(e),
             };
             self.buf = buf;

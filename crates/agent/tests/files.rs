@@ -177,3 +177,60 @@ async fn uploads_belong_to_the_user() {
     assert_eq!(resp.status, 200);
     assert_eq!(std::fs::metadata(a.nobody_home.join("via-auth.txt")).unwrap().uid(), 65534);
 }
+
+#[tokio::test]
+async fn a_parameter_given_twice_is_refused() {
+    let a = start_agent().await;
+    std::fs::write(a.home.join("public.txt"), "public").unwrap();
+    std::fs::write(a.home.join("other.txt"), "other").unwrap();
+    for q in ["path=public.txt&path=other.txt", "path=public.txt&pa%74h=other.txt", "path=public.txt&username=tester&username=root"] {
+        let resp = raw_request(&a.socket, &get(&format!("/files?{q}"), "")).await;
+        assert_eq!(resp.status, 400, "{q}");
+        let v: serde_json::Value = serde_json::from_slice(&resp.body).unwrap();
+        assert!(v["message"].as_str().unwrap().starts_with("Invalid format for parameter "), "{v}");
+        let resp = raw_request(&a.socket, &post(&format!("/files?{q}"), "application/octet-stream", "", b"x")).await;
+        assert_eq!(resp.status, 400, "{q}");
+    }
+    assert_eq!(std::fs::read_to_string(a.home.join("other.txt")).unwrap(), "other");
+    assert_eq!(std::fs::read_to_string(a.home.join("public.txt")).unwrap(), "public");
+}
+
+/// A root-owned file that only root may read or write, in a directory `nobody` may enter.
+fn root_only(a: &TestAgent, name: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = a.dir.join(name);
+    std::fs::write(&p, "root only").unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p
+}
+
+#[tokio::test]
+async fn files_are_read_and_written_with_the_users_rights() {
+    if !is_root() {
+        eprintln!("skipped: acting as uid 65534 needs root");
+        return;
+    }
+    let a = start_agent().await;
+    let secret = root_only(&a, "secret");
+    let err = a.client.download_file(secret.to_str().unwrap(), Some("nobody")).await.unwrap_err();
+    assert!(err.to_string().contains("Permission denied"), "{err}");
+    // The same file for root.
+    assert_eq!(a.client.download_file(secret.to_str().unwrap(), Some("root")).await.unwrap(), "root only");
+
+    // A symlink the user planted in their home, pointing at the root-only file.
+    let shadow = root_only(&a, "shadow");
+    std::os::unix::fs::symlink(&shadow, a.nobody_home.join("notes.txt")).unwrap();
+    let err = a.client.upload_file("notes.txt", Some("nobody"), Bytes::from_static(b"pwned")).await.unwrap_err();
+    assert!(err.to_string().contains("Permission denied"), "{err}");
+    assert!(a.client.download_file("notes.txt", Some("nobody")).await.is_err());
+    let md = std::fs::metadata(&shadow).unwrap();
+    assert_eq!((md.uid(), md.gid(), std::fs::read_to_string(&shadow).unwrap().as_str()), (0, 0, "root only"));
+    // Nor can the user create files where they may not.
+    let err = a.client.upload_file(a.dir.join("new.txt").to_str().unwrap(), Some("nobody"), Bytes::from_static(b"x")).await;
+    assert!(err.is_err() && !a.dir.join("new.txt").exists());
+    // Their own files still work, and are theirs.
+    a.client.upload_file("mine.txt", Some("nobody"), Bytes::from_static(b"mine")).await.unwrap();
+    let md = std::fs::metadata(a.nobody_home.join("mine.txt")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (65534, 65534));
+    assert_eq!(a.client.download_file("mine.txt", Some("nobody")).await.unwrap(), "mine");
+}

@@ -226,3 +226,68 @@ async fn watch_dir_stream() {
     }
     assert!(ended);
 }
+
+#[tokio::test]
+async fn filesystem_calls_run_with_the_users_rights() {
+    if !is_root() {
+        eprintln!("skipped: acting as uid 65534 needs root");
+        return;
+    }
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let a = start_agent().await;
+    // A directory only root may read, and a root file in a directory nobody may not write.
+    let private = a.dir.join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::write(private.join("inside.txt"), "x").unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let fixed = a.dir.join("fixed.txt");
+    std::fs::write(&fixed, "x").unwrap();
+    let (p, f) = (private.to_str().unwrap(), fixed.to_str().unwrap());
+    let denied = |r: Result<_, cordon_envd::Error>, what: &str| {
+        let e = r.err().unwrap_or_else(|| panic!("{what} succeeded"));
+        assert_eq!(e.code(), Some(Code::PermissionDenied), "{what}: {e}");
+    };
+    denied(a.client.list_dir(p, 1, Some("nobody")).await.map(drop), "list");
+    denied(a.client.stat(&format!("{p}/inside.txt"), Some("nobody")).await.map(drop), "stat");
+    denied(a.client.remove(f, Some("nobody")).await, "remove");
+    denied(a.client.rename(f, "stolen.txt", Some("nobody")).await.map(drop), "move");
+    denied(a.client.make_dir(&format!("{}/made", a.dir.display()), Some("nobody")).await.map(drop), "make_dir");
+    let w = a
+        .client
+        .watch_dir(WatchDirRequest { path: p.into(), ..Default::default() }, Some("nobody"), Some(2000))
+        .await;
+    match w {
+        Ok(mut s) => denied(s.next().await.unwrap().map(drop), "watch"),
+        Err(e) => assert_eq!(e.code(), Some(Code::PermissionDenied), "watch: {e}"),
+    }
+    assert!(fixed.exists() && private.join("inside.txt").exists() && !a.dir.join("made").exists());
+    // A recursive watch of the user's home does not reach into a directory they cannot read.
+    let hidden = a.nobody_home.join("hidden");
+    std::fs::create_dir(&hidden).unwrap();
+    std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let mut s = a
+        .client
+        .watch_dir(WatchDirRequest { path: "~".into(), recursive: true, ..Default::default() }, Some("nobody"), Some(3000))
+        .await
+        .unwrap();
+    s.next().await.unwrap().unwrap(); // start
+    std::fs::write(hidden.join("leak.txt"), "x").unwrap();
+    std::fs::write(a.nobody_home.join("seen.txt"), "x").unwrap();
+    let mut names = Vec::new();
+    while let Some(Ok(m)) = s.next().await {
+        if let WatchDirResponse::Filesystem(e) = m {
+            names.push(e.name.clone());
+            if e.name == "seen.txt" {
+                break;
+            }
+        }
+    }
+    assert!(names.contains(&"seen.txt".to_string()) && !names.iter().any(|n| n.contains("leak")), "{names:?}");
+    // What the user may do still works, as them.
+    let e = a.client.make_dir("mine/deep", Some("nobody")).await.unwrap();
+    assert_eq!(e.owner, "nobody");
+    assert_eq!(std::fs::metadata(a.nobody_home.join("mine")).unwrap().uid(), 65534);
+    a.client.rename("mine/deep", "mine/moved", Some("nobody")).await.unwrap();
+    a.client.remove("mine", Some("nobody")).await.unwrap();
+    assert!(!a.nobody_home.join("mine").exists());
+}

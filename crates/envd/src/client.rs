@@ -336,25 +336,8 @@ impl EnvdClient {
 }
 
 fn files_uri(path: &str, user: Option<&str>) -> String {
-    let mut uri = format!("/files?path={}", percent_encode(path));
-    if let Some(u) = user {
-        uri.push_str("&username=");
-        uri.push_str(&percent_encode(u));
-    }
-    uri
-}
-
-/// Percent-encodes everything but RFC 3986 unreserved characters (and `/`, for readability).
-fn percent_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b'/') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    let q = crate::files::FilesQuery { path: Some(path.into()), username: user.map(String::from), ..Default::default() };
+    format!("/files?{}", q.encode())
 }
 
 async fn read_body(body: Incoming, limit: usize) -> Result<Bytes> {

@@ -115,6 +115,17 @@ pub struct StartCommand {
     pub ready_port: Option<u16>,
     /// How long readiness may take before the create fails.
     pub ready_timeout_secs: u64,
+    /// Whether requests to `ready_port` through `cordon serve` must carry the sandbox's access
+    /// token (envd's `X-Access-Token`, or the `E2B-Traffic-Access-Token` the code-interpreter
+    /// SDK sends), as a service that runs code for its callers needs. `false` opens the port to
+    /// everyone who knows the sandbox id (a web app's preview, say). Absent in an image's
+    /// metadata: `true`, so that a service nobody declared open is not.
+    #[serde(default = "needs_token_by_default")]
+    pub needs_token: bool,
+}
+
+fn needs_token_by_default() -> bool {
+    true
 }
 
 /// An image in the store.

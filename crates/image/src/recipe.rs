@@ -78,6 +78,10 @@ impl StartRecipe {
                 .collect(),
             ready_port: Some(self.ready_port),
             ready_timeout_secs: self.ready_timeout_secs,
+            // Every recipe's service so far runs code for its callers. (A field of the recipe
+            // would change its digest, and with it every image built from it would count as
+            // stale: add one when a recipe's service is meant to be public.)
+            needs_token: true,
         }
     }
 }

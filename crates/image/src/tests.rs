@@ -759,7 +759,15 @@ fn meta_json_roundtrip() {
     };
     let j = serde_json::to_string(&with_start).unwrap();
     assert!(j.contains(r#""ready_port":49999"#), "{j}");
+    assert!(j.contains(r#""needs_token":true"#), "the interpreter's port needs the token: {j}");
     assert_eq!(serde_json::from_str::<ImageMeta>(&j).unwrap(), with_start);
+
+    // Metadata written before the field existed: the port needs the token, as now declared.
+    let old = j.replace(r#","needs_token":true"#, "");
+    assert!(!old.contains("needs_token"), "{old}");
+    assert!(serde_json::from_str::<ImageMeta>(&old).unwrap().start.unwrap().needs_token);
+    let open = j.replace(r#""needs_token":true"#, r#""needs_token":false"#);
+    assert!(!serde_json::from_str::<ImageMeta>(&open).unwrap().start.unwrap().needs_token);
 }
 
 /// Builds the real base image with mmdebstrap (network, root, 1-3 minutes).

@@ -214,7 +214,7 @@ pub fn sandbox_json(e: &Entry) -> Value {
         "alias": e.template,
         "envdVersion": e.envd_version,
         "envdAccessToken": e.token,
-        "trafficAccessToken": null,
+        "trafficAccessToken": e.traffic_token,
         "domain": null,
     })
 }

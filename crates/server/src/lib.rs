@@ -15,6 +15,7 @@ pub mod auth;
 pub mod backend;
 pub mod error;
 pub mod lifecycle;
+pub mod port_token;
 pub mod proxy;
 pub mod query;
 pub mod registry;
@@ -68,8 +69,9 @@ impl App {
             // A signed `/files` URL made from E2B_SANDBOX_URL names no sandbox: the signature,
             // made with one sandbox's token, is what identifies it.
             routes::Route::Api if req.uri().path() == "/files" => match proxy::signed_by(&self.sandboxes, &req) {
-                Some(entry) => proxy::handle(&self, &entry.id, ENVD_PORT, req).await,
-                None => api::handle(&self, req).await,
+                Ok(Some(entry)) => proxy::handle(&self, &entry.id, ENVD_PORT, req).await,
+                Ok(None) => api::handle(&self, req).await,
+                Err(e) => e.into_response(),
             },
             routes::Route::Api => api::handle(&self, req).await,
             routes::Route::Sandbox { id, port } => proxy::handle(&self, &id, port, req).await,

@@ -14,7 +14,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
-use hyper::header::{HeaderName, CONNECTION, HOST, UPGRADE};
+use cordon_envd::files::FilesQuery;
+use hyper::header::{HeaderName, AUTHORIZATION, CONNECTION, HOST, UPGRADE};
 use hyper::{Method, Request, Response, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
@@ -22,7 +23,7 @@ use tokio::net::UnixStream;
 use crate::auth::{self, FileOp};
 use crate::error::{sandbox_not_found, ApiError};
 use crate::registry::Entry;
-use crate::{query, App, Body, ENVD_PORT};
+use crate::{port_token, App, Body, ENVD_PORT};
 
 /// Must match the agent's forwarding endpoint.
 const FORWARD_PREFIX: &str = "/__cordon/forward/";
@@ -31,14 +32,20 @@ const FORWARD_PROTOCOL: &str = "cordon-forward";
 /// Headers that describe one hop, not the request (RFC 9110 7.6.1).
 const HOP_BY_HOP: &[&str] = &["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer", "upgrade"];
 
-pub async fn handle(app: &Arc<App>, id: &str, port: u16, req: Request<Incoming>) -> Response<Body> {
+pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incoming>) -> Response<Body> {
     let Some(entry) = app.sandboxes.get(id) else { return sandbox_not_found(id) };
     if port == ENVD_PORT {
-        if let Err(e) = authorize(&entry, &req) {
-            return e.into_response();
+        match authorize(&entry, &req) {
+            Err(e) => return e.into_response(),
+            Ok(Grant::Signed(file)) => file.bind(&mut req),
+            Ok(Grant::Open | Grant::Token) => {}
         }
         if req.uri().path().starts_with(FORWARD_PREFIX) {
             return ApiError::not_found("no such envd endpoint").into_response();
+        }
+    } else if entry.token_ports.contains(&port) {
+        if let Err(e) = port_token::check(&entry, port, req.headers_mut()) {
+            return e.into_response();
         }
     }
     let Ok(permit) = entry.streams.clone().try_acquire_owned() else {
@@ -64,36 +71,79 @@ pub async fn handle(app: &Arc<App>, id: &str, port: u16, req: Request<Incoming>)
     }
 }
 
+/// What let a request to envd through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Grant {
+    /// `GET /health`: open to all.
+    Open,
+    /// The sandbox's access token: the whole envd API, as any user.
+    Token,
+    /// A `/files` URL signature: one operation on one path as one user, until its expiry.
+    Signed(SignedFile),
+}
+
+/// The values a `/files` signature was checked against; only these reach the agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignedFile {
+    pub op: FileOp,
+    pub path: String,
+    /// Empty: the sandbox's default user (as signed).
+    pub user: String,
+}
+
+impl SignedFile {
+    /// Makes `req` say exactly what was signed: its query is rebuilt from the checked path and
+    /// user (no other parameter survives, so nothing unchecked can steer the agent), and an
+    /// `Authorization` header, which the agent would take for the user when the signature names
+    /// none, is dropped. The operation is bound by the method, which was checked with it.
+    pub fn bind<B>(&self, req: &mut Request<B>) {
+        let q = FilesQuery {
+            path: Some(self.path.clone()).filter(|p| !p.is_empty()),
+            username: Some(self.user.clone()).filter(|u| !u.is_empty()),
+            ..Default::default()
+        };
+        let encoded = q.encode();
+        let pq = if encoded.is_empty() { "/files".to_string() } else { format!("/files?{encoded}") };
+        *req.uri_mut() = pq.parse::<Uri>().unwrap_or_else(|_| Uri::from_static("/files"));
+        req.headers_mut().remove(AUTHORIZATION);
+    }
+}
+
 /// envd's rule: every route needs the access token except `GET /health`; `/files` takes the
-/// token or a URL signature made with it.
-pub fn authorize<B>(entry: &Entry, req: &Request<B>) -> Result<(), ApiError> {
+/// token or a URL signature made with it. A `/files` query that repeats a parameter is refused
+/// whatever the credential: the signature covers one value of each.
+pub fn authorize<B>(entry: &Entry, req: &Request<B>) -> Result<Grant, ApiError> {
     let path = req.uri().path();
     if path == "/health" && matches!(*req.method(), Method::GET | Method::HEAD) {
-        return Ok(());
+        return Ok(Grant::Open);
     }
+    let files = if path == "/files" {
+        Some(FilesQuery::parse(req.uri().query()).map_err(|e| ApiError::bad_request(e.to_string()))?)
+    } else {
+        None
+    };
     let header = req.headers().get("x-access-token").map(|v| v.to_str().unwrap_or(""));
     if let Some(token) = header {
         return if auth::ct_eq(token, &entry.token) {
-            Ok(())
+            Ok(Grant::Token)
         } else {
             Err(ApiError::unauthorized("invalid X-Access-Token for this sandbox"))
         };
     }
-    if path == "/files" {
+    if let Some(q) = files {
         let op = match *req.method() {
             Method::GET | Method::HEAD => FileOp::Read,
             _ => FileOp::Write,
         };
-        let q = req.uri().query();
-        let Some(sig) = query::get(q, "signature") else {
+        let Some(sig) = q.signature else {
             return Err(ApiError::unauthorized("missing X-Access-Token header or signature"));
         };
-        let file = query::get(q, "path").unwrap_or_default();
-        let user = query::get(q, "username").unwrap_or_default();
-        let exp = query::get(q, "signature_expiration");
+        let file = q.path.unwrap_or_default();
+        let user = q.username.unwrap_or_default();
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
-        return auth::check_file_signature(&sig, exp.as_deref(), &file, op, &user, &entry.token, now)
-            .map_err(ApiError::unauthorized);
+        auth::check_file_signature(&sig, q.signature_expiration.as_deref(), &file, op, &user, &entry.token, now)
+            .map_err(ApiError::unauthorized)?;
+        return Ok(Grant::Signed(SignedFile { op, path: file, user }));
     }
     Err(ApiError::unauthorized("missing X-Access-Token header"))
 }
@@ -124,12 +174,14 @@ impl hyper::body::Body for Permitted {
     }
 }
 
-/// The sandbox whose token produced the signature of a signed `/files` URL, if any.
-pub fn signed_by<B>(sandboxes: &crate::Sandboxes, req: &Request<B>) -> Option<Arc<Entry>> {
-    if req.headers().contains_key("x-access-token") || query::get(req.uri().query(), "signature").is_none() {
-        return None;
+/// The sandbox whose token produced the signature of a signed `/files` URL, if any. A query
+/// that repeats a parameter is refused here already, before any sandbox is tried.
+pub fn signed_by<B>(sandboxes: &crate::Sandboxes, req: &Request<B>) -> Result<Option<Arc<Entry>>, ApiError> {
+    let q = FilesQuery::parse(req.uri().query()).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if req.headers().contains_key("x-access-token") || q.signature.is_none() {
+        return Ok(None);
     }
-    sandboxes.all().into_iter().find(|e| authorize(e, req).is_ok())
+    Ok(sandboxes.all().into_iter().find(|e| authorize(e, req).is_ok()))
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -1,4 +1,5 @@
-//! Query strings: percent-decoding and the parameters the API and `/files` read.
+//! Query strings of the control plane: percent-decoding and the parameters the API reads.
+//! (`/files` has its own strict parser, `cordon_envd::files::FilesQuery`, shared with the agent.)
 
 /// Decodes `%XX` escapes (and `+` as a space when `plus_is_space`). Invalid escapes are kept
 /// as they are; invalid UTF-8 is replaced, since every value here is compared as text.

@@ -29,6 +29,12 @@ pub struct Entry {
     pub tier: cordon_spec::Tier,
     pub template: String,
     pub token: String,
+    /// The `trafficAccessToken`: opens the [`Entry::token_ports`] (see [`crate::port_token`]),
+    /// not envd.
+    pub traffic_token: String,
+    /// Ports other than envd's that take only requests with a token: the image's start command's
+    /// port, when it declares so.
+    pub token_ports: Vec<u16>,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     pub started_at: SystemTime,
@@ -205,6 +211,13 @@ impl Sandboxes {
             tier: req.tier,
             template: req.template,
             token: auth::new_access_token(),
+            traffic_token: auth::new_access_token(),
+            token_ports: start_command
+                .iter()
+                .filter(|s| s.needs_token)
+                .filter_map(|s| s.ready_port)
+                .filter(|p| *p != crate::ENVD_PORT)
+                .collect(),
             metadata: req.metadata,
             env_vars: req.env_vars,
             started_at: SystemTime::now(),

@@ -75,6 +75,14 @@ impl Backend for InProcess {
                 cmd.ready_timeout_secs = 1;
                 Some(cmd)
             }
+            // `tok-<port>` / `pub-<port>`: a start command whose port needs the token / is open,
+            // serving HTTP that answers with the names of the headers it was sent.
+            t if t.starts_with("tok-") || t.starts_with("pub-") => {
+                let port: u16 = t[4..].parse().expect("port");
+                let mut cmd = start_command(&header_echo(port), Some(port));
+                cmd.needs_token = t.starts_with("tok-");
+                Some(cmd)
+            }
             t => match t.strip_prefix("svc-").and_then(|p| p.parse::<u16>().ok()) {
                 Some(port) => Some(start_command(
                     &format!(
@@ -106,6 +114,21 @@ impl Backend for InProcess {
     }
 }
 
+/// A shell command serving HTTP on `port` whose answer lists the (lowercase) names of the
+/// request's headers.
+fn header_echo(port: u16) -> String {
+    let py = [
+        "import http.server as h",
+        "class H(h.BaseHTTPRequestHandler):",
+        "    def do_GET(self):",
+        "        b = \",\".join(sorted(k.lower() for k in self.headers.keys())).encode()",
+        "        self.send_response(200); self.send_header(\"content-length\", str(len(b))); self.end_headers(); self.wfile.write(b)",
+        &format!("h.HTTPServer((\"127.0.0.1\", {port}), H).serve_forever()"),
+    ]
+    .join("\n");
+    format!("exec python3 -c '{py}'")
+}
+
 fn start_command(script: &str, ready_port: Option<u16>) -> cordon_image::StartCommand {
     cordon_image::StartCommand {
         cmd: vec!["sh".into(), "-c".into(), script.into()],
@@ -114,6 +137,7 @@ fn start_command(script: &str, ready_port: Option<u16>) -> cordon_image::StartCo
         env: vec![],
         ready_port,
         ready_timeout_secs: 20,
+        needs_token: false,
     }
 }
 
@@ -426,4 +450,114 @@ async fn a_slower_sandbox_gets_more_time_to_start_its_service() {
     let port = free_port();
     create(s.addr, json!({"templateID": format!("late-10-{port}")})).await;
     std::net::TcpStream::connect(("127.0.0.1", port)).expect("the service listens once create returns");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_files_urls_act_only_on_what_was_signed() {
+    use cordon_server::auth::{file_signature, FileOp};
+    let s = start(10).await;
+    let (id, token) = create(s.addr, json!({})).await;
+    // The in-process agent sees the host's files.
+    let public = s._dir.0.join("public.txt");
+    let secret = s._dir.0.join("secret.txt");
+    std::fs::write(&public, "public").unwrap();
+    std::fs::write(&secret, "secret").unwrap();
+    let enc = |v: &str| cordon_envd::files::percent_encode(v);
+    let (public_s, secret_s) = (public.to_str().unwrap(), secret.to_str().unwrap());
+    let sig = enc(&file_signature(public_s, FileOp::Read, "", &token, None));
+    let url = format!("/files?path={}&signature={sig}", enc(public_s));
+    let r = call(s.addr, Method::GET, &url, &[("e2b-sandbox-id", &id)], "").await;
+    assert_eq!((r.status, &r.body[..]), (StatusCode::OK, &b"public"[..]));
+
+    // A user the signature does not name is refused by the signature.
+    let r = call(s.addr, Method::GET, &format!("{url}&username=root"), &[("e2b-sandbox-id", &id)], "").await;
+    assert_error(&r, StatusCode::UNAUTHORIZED);
+    // A second path (in any spelling of the key) or user is refused, with or without sandbox
+    // headers, and so is a repeated signature.
+    let signed_for_root = enc(&file_signature(public_s, FileOp::Read, "root", &token, None));
+    let url_root = format!("/files?path={}&username=root&signature={signed_for_root}", enc(public_s));
+    let r = call(s.addr, Method::GET, &url_root, &[("e2b-sandbox-id", &id)], "").await;
+    assert_eq!((r.status, &r.body[..]), (StatusCode::OK, &b"public"[..]));
+    for (url, extra) in [
+        (&url, format!("&path={}", enc(secret_s))),
+        (&url, format!("&pa%74h={}", enc(secret_s))),
+        (&url, format!("&signature={sig}")),
+        (&url_root, "&username=nobody".to_string()),
+        (&url_root, "&user%6Eame=".to_string()),
+    ] {
+        for headers in [&[("e2b-sandbox-id", id.as_str())][..], &[]] {
+            let r = call(s.addr, Method::GET, &format!("{url}{extra}"), headers, "").await;
+            assert_error(&r, StatusCode::BAD_REQUEST);
+            let msg = r.json()["message"].as_str().unwrap().to_string();
+            assert!(msg.starts_with("Invalid format for parameter ") && msg.contains("give each query parameter once"), "{msg}");
+        }
+        let bad = format!("{url}{extra}");
+        let r = call(s.addr, Method::GET, &bad, &[("e2b-sandbox-id", &id), ("x-access-token", &token)], "").await;
+        assert_error(&r, StatusCode::BAD_REQUEST);
+    }
+    // Parameters the signature does not cover do not reach the agent.
+    let r = call(s.addr, Method::GET, &format!("{url}&gzip=1&other=x"), &[("e2b-sandbox-id", &id)], "").await;
+    assert_eq!((r.status, &r.body[..]), (StatusCode::OK, &b"public"[..]));
+
+    // A write URL: the signed path is written, nothing else.
+    let target = s._dir.0.join("upload.txt");
+    let wsig = enc(&file_signature(target.to_str().unwrap(), FileOp::Write, "", &token, None));
+    let wurl = format!("/files?path={}&signature={wsig}", enc(target.to_str().unwrap()));
+    let h = [("e2b-sandbox-id", id.as_str()), ("content-type", "application/octet-stream")];
+    let r = call(s.addr, Method::POST, &format!("{wurl}&path={}", enc(secret_s)), &h, "pwned").await;
+    assert_error(&r, StatusCode::BAD_REQUEST);
+    assert_eq!(std::fs::read_to_string(&secret).unwrap(), "secret");
+    let r = call(s.addr, Method::POST, &wurl, &h, "written").await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_command_port_that_needs_the_token_takes_only_requests_with_it() {
+    let s = start(10).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let r = api(s.addr, Method::POST, "/v2/sandboxes", &json!({"templateID": format!("tok-{port}")}).to_string()).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let v = r.json();
+    let (id, token) = (v["sandboxID"].as_str().unwrap().to_string(), v["envdAccessToken"].as_str().unwrap().to_string());
+    let traffic = v["trafficAccessToken"].as_str().expect("a traffic token").to_string();
+    assert_ne!(traffic, token);
+    let (_, other_token) = create(s.addr, json!({})).await;
+    let port_s = port.to_string();
+    let get = |extra: Vec<(&'static str, String)>| {
+        let mut h: Vec<(&str, String)> = vec![("e2b-sandbox-id", id.clone()), ("e2b-sandbox-port", port_s.clone())];
+        h.extend(extra);
+        async move {
+            let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            call(s.addr, Method::GET, "/", &h, "").await
+        }
+    };
+    // The sandbox id alone, a wrong token, another sandbox's token: refused before the service.
+    assert_error(&get(vec![]).await, StatusCode::UNAUTHORIZED);
+    assert_error(&get(vec![("x-access-token", "wrong".into())]).await, StatusCode::UNAUTHORIZED);
+    assert_error(&get(vec![("x-access-token", other_token.clone())]).await, StatusCode::UNAUTHORIZED);
+    assert_error(&get(vec![("e2b-traffic-access-token", token.clone() + "x")]).await, StatusCode::UNAUTHORIZED);
+    assert_error(
+        &get(vec![("x-access-token", token.clone()), ("e2b-traffic-access-token", "wrong".into())]).await,
+        StatusCode::UNAUTHORIZED,
+    );
+    // The Host form (`get_host()` URLs) is the same port.
+    let host = format!("{port}-{id}.localhost");
+    assert_error(&call(s.addr, Method::GET, "/", &[("host", &host)], "").await, StatusCode::UNAUTHORIZED);
+    // Either token opens it, and the service never sees either header.
+    for (name, value) in [("x-access-token", token.clone()), ("e2b-traffic-access-token", traffic.clone())] {
+        let r = get(vec![(name, value)]).await;
+        assert_eq!(r.status, StatusCode::OK, "{name}: {:?}", r.body);
+        let seen = String::from_utf8_lossy(&r.body).to_string();
+        assert!(seen.contains("e2b-sandbox-id") && !seen.contains("token"), "{seen}");
+    }
+    // The traffic token is not an envd credential.
+    assert_error(&stat(s.addr, &id, Some(&traffic)).await, StatusCode::UNAUTHORIZED);
+
+    // A start command that does not declare it keeps its port open.
+    let open = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (oid, _) = create(s.addr, json!({"templateID": format!("pub-{open}")})).await;
+    let open_s = open.to_string();
+    let r = call(s.addr, Method::GET, "/", &[("e2b-sandbox-id", &oid), ("e2b-sandbox-port", &open_s)], "").await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
 }
