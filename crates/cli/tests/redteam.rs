@@ -6,6 +6,7 @@
 //! ([`GVISOR_KERNEL_HANDLES`]).
 
 mod common;
+#[path = "redteam/hostside.rs"] mod hostside;
 
 use common::*;
 use serde_json::Value;
