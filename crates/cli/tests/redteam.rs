@@ -7,6 +7,7 @@
 
 mod common;
 #[path = "redteam/budgets.rs"] mod budgets;
+#[path = "redteam/hostside.rs"] mod hostside;
 
 use common::*;
 use serde_json::Value;

@@ -1,5 +1,5 @@
-//! The audit trail: every syscall the filter denies, by name, with its count and the pids that
-//! tried it.
+//! The audit trail: every syscall the filter denies, by name, with its count and a sample of
+//! the pids that tried it.
 //!
 //! The allowlist's EPERM verdict is turned into seccomp user notification (see build.rs), and a
 //! host thread holding the listener records each denial and answers EPERM itself. Allowed
@@ -7,19 +7,49 @@
 //! thread (tens of microseconds). Socket families refused with EAFNOSUPPORT/EPROTONOSUPPORT and
 //! `clone3`'s ENOSYS come from separate filters and are not recorded: they are the expected,
 //! gracefully handled answers, and libc calls `clone3` on every fork.
+//!
+//! A sandbox decides how often it calls what the filter denies, so everything this costs the
+//! host is bounded:
+//! - memory: at most [`MAX_KINDS`] syscall numbers are kept apart, every further number is
+//!   counted in one `other` entry, and each entry keeps at most [`MAX_PIDS`] pids; the trail
+//!   (and the audit answer made from it) is a few kilobytes however long the sandbox floods;
+//! - CPU: denials are answered at most [`RATE`] a second after a burst of [`BURST`]. Past that
+//!   the thread waits before taking the next notification, so the sandbox's denied calls wait
+//!   in its own kernel (asleep, killable, each a thread of its own pids budget) instead of
+//!   costing the host a core. The answer stays EPERM and every denial is still counted;
+//! - `/proc` reads: a pid's in-sandbox number is looked up only while some entry's sample has
+//!   room, and remembered for [`MAX_PID_CACHE`] pids.
+//!
+//! The trail is freed with the sandbox: the thread ends when the last process using the filter
+//! is gone, and the sandbox holds the only other reference.
 
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Distinct syscall numbers recorded each on its own (the policy names about 60); others are
+/// counted together under [`OTHER`].
+pub const MAX_KINDS: usize = 128;
+/// Pids kept per entry.
+pub const MAX_PIDS: usize = 16;
+/// Denials answered at once before the rate applies.
+pub const BURST: f64 = 1000.0;
+/// Denials answered per second past the burst.
+pub const RATE: f64 = 1000.0;
+/// Host pid -> sandbox pid lookups remembered.
+const MAX_PID_CACHE: usize = 256;
+/// The entry that counts every syscall number beyond [`MAX_KINDS`].
+const OTHER: i32 = -1;
 
 /// One kind of denied call.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct Denial {
     pub syscall: String,
     pub count: u64,
-    /// Pids inside the sandbox that tried it (first 16).
+    /// Pids inside the sandbox that tried it (the first [`MAX_PIDS`]).
     pub pids: Vec<u32>,
 }
 
@@ -70,12 +100,17 @@ impl Trail {
         out
     }
 
-    fn record(&self, nr: i32, pid: u32) {
+    /// Counts one denial of `nr`; `pid` is asked for only when the entry's sample has room.
+    fn record(&self, nr: i32, pid: impl FnOnce() -> u32) {
         let mut map = self.inner.lock().expect("audit lock");
-        let e = map.entry(nr).or_default();
+        let key = if map.contains_key(&nr) || map.len() < MAX_KINDS { nr } else { OTHER };
+        let e = map.entry(key).or_default();
         e.0 += 1;
-        if e.1.len() < 16 && !e.1.contains(&pid) {
-            e.1.push(pid);
+        if e.1.len() < MAX_PIDS {
+            let pid = pid();
+            if !e.1.contains(&pid) {
+                e.1.push(pid);
+            }
         }
     }
 }
@@ -88,8 +123,35 @@ pub fn supervise(listener: OwnedFd, id: &str) -> io::Result<Trail> {
     Ok(trail)
 }
 
+/// A token bucket: [`BURST`] at once, then [`RATE`] a second.
+struct Pace {
+    tokens: f64,
+    last: Instant,
+}
+
+impl Pace {
+    fn new() -> Pace {
+        Pace { tokens: BURST, last: Instant::now() }
+    }
+
+    /// How long to wait before the next answer (zero while tokens last); takes one token.
+    fn next(&mut self) -> Duration {
+        let now = Instant::now();
+        self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * RATE).min(BURST);
+        self.last = now;
+        self.tokens -= 1.0;
+        if self.tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.tokens / RATE)
+        }
+    }
+}
+
 fn run(listener: OwnedFd, trail: Trail) {
     let fd = listener.as_raw_fd();
+    let mut pace = Pace::new();
+    let mut pids = PidCache::default();
     loop {
         let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd.
@@ -106,15 +168,39 @@ fn run(listener: OwnedFd, trail: Trail) {
         if p.revents & libc::POLLIN == 0 {
             continue;
         }
+        // The wait comes before taking the notification: until then the caller sleeps in the
+        // sandbox's kernel, which costs the host nothing.
+        let wait = pace.next();
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
         let mut notif = Notif::default();
         // SAFETY: NOTIF_RECV fills a zeroed struct seccomp_notif of the right size.
         if unsafe { libc::ioctl(fd, NOTIF_RECV, &mut notif) } != 0 {
             continue; // the caller died before we read it
         }
-        trail.record(notif.data.nr, inner_pid(notif.pid));
+        trail.record(notif.data.nr, || pids.inner(notif.pid));
         let resp = NotifResp { id: notif.id, val: 0, error: -libc::EPERM, flags: 0 };
         // SAFETY: answering the notification we just received; ENOENT (caller gone) is fine.
         unsafe { libc::ioctl(fd, NOTIF_SEND, &resp) };
+    }
+}
+
+/// Host pid -> the pid as the sandbox sees it, remembered for a bounded number of pids.
+#[derive(Default)]
+struct PidCache(HashMap<u32, u32>);
+
+impl PidCache {
+    fn inner(&mut self, host_pid: u32) -> u32 {
+        if let Some(&p) = self.0.get(&host_pid) {
+            return p;
+        }
+        if self.0.len() >= MAX_PID_CACHE {
+            self.0.clear();
+        }
+        let p = inner_pid(host_pid);
+        self.0.insert(host_pid, p);
+        p
     }
 }
 
@@ -193,7 +279,7 @@ fn name(nr: i32) -> String {
     NAMES
         .iter()
         .find(|(n, _)| *n == nr as libc::c_long)
-        .map_or_else(|| format!("syscall_{nr}"), |(_, s)| s.to_string())
+        .map_or_else(|| if nr == OTHER { "other".to_string() } else { format!("syscall_{nr}") }, |(_, s)| s.to_string())
 }
 
 #[cfg(test)]
@@ -203,12 +289,48 @@ mod tests {
         assert_eq!(super::name(libc::SYS_bpf as i32), "bpf");
         assert_eq!(super::name(100_000), "syscall_100000");
         let t = super::Trail::default();
-        t.record(libc::SYS_bpf as i32, 5);
-        t.record(libc::SYS_mount as i32, 5);
-        t.record(libc::SYS_mount as i32, 6);
+        t.record(libc::SYS_bpf as i32, || 5);
+        t.record(libc::SYS_mount as i32, || 5);
+        t.record(libc::SYS_mount as i32, || 6);
         let d = t.denials();
         assert_eq!(d[0].syscall, "mount");
         assert_eq!((d[0].count, d[0].pids.clone()), (2, vec![5, 6]));
         assert_eq!(d[1].syscall, "bpf");
+    }
+
+    #[test]
+    fn the_trail_is_bounded_however_many_numbers_and_pids_are_denied() {
+        let t = super::Trail::default();
+        for i in 0..100_000u32 {
+            t.record(1000 + i as i32, || i);
+        }
+        let d = t.denials();
+        assert_eq!(d.len(), super::MAX_KINDS + 1, "{} entries", d.len());
+        let other = d.iter().find(|x| x.syscall == "other").unwrap();
+        assert_eq!(other.count, 100_000 - super::MAX_KINDS as u64);
+        assert!(d.iter().all(|x| x.pids.len() <= super::MAX_PIDS));
+        assert_eq!(d.iter().map(|x| x.count).sum::<u64>(), 100_000);
+    }
+
+    #[test]
+    fn pids_are_looked_up_only_while_a_sample_has_room() {
+        let t = super::Trail::default();
+        let mut asked = 0;
+        for i in 0..1000u32 {
+            t.record(libc::SYS_bpf as i32, || {
+                asked += 1;
+                i
+            });
+        }
+        assert_eq!(asked, super::MAX_PIDS);
+    }
+
+    #[test]
+    fn the_pace_allows_a_burst_then_the_rate() {
+        let mut p = super::Pace::new();
+        let free = (0..super::BURST as usize).filter(|_| p.next().is_zero()).count();
+        assert!(free >= super::BURST as usize - 1, "{free}");
+        let w = p.next();
+        assert!(w > std::time::Duration::ZERO && w <= std::time::Duration::from_secs_f64(2.0 / super::RATE), "{w:?}");
     }
 }

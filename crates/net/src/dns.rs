@@ -1,6 +1,15 @@
 //! The sandbox's only resolver: the forwarder answers DNS on the gateway address, for allowed
 //! names only (NXDOMAIN otherwise), by asking the host's upstream itself. No query ever leaves
-//! the sandbox as a packet, so DNS cannot carry data out.
+//! the sandbox as a packet.
+//!
+//! What does leave is the question this resolver asks upstream for an allowed name, and under
+//! a wildcard rule the sandbox picks the name: `<data>.allowed-zone` reaches whoever sees that
+//! zone's queries (its authoritative servers, the upstream's operator). A wildcard is therefore
+//! a channel to its zone, as wide as the names under it. Only the record types programs need to
+//! connect are forwarded ([`FORWARDED`]: addresses, aliases and the HTTPS/SVCB service records
+//! browsers and curl ask for); a question of any other type (TXT, NULL, MX, ANY, ...) is
+//! answered here with an empty NOERROR, recorded in the audit, and never asked upstream, so
+//! answers that carry arbitrary bytes back in (TXT, NULL) are not a channel either.
 //!
 //! The addresses it hands out are remembered (address -> name), so that a connection that
 //! names no host (SSH, a database protocol) to an address this resolver gave for an allowed
@@ -18,6 +27,9 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 use std::time::Duration;
+
+/// The query types asked upstream for an allowed name; any other is answered here, empty.
+pub const FORWARDED: &[RecordType] = &[RecordType::A, RecordType::AAAA, RecordType::CNAME, RecordType::HTTPS, RecordType::SVCB];
 
 /// Addresses remembered for names; beyond this the memory starts over.
 const MAX_REMEMBERED: usize = 16 * 1024;
@@ -112,11 +124,20 @@ impl Dns {
             resp.set_response_code(ResponseCode::NXDomain);
             return resp.to_vec().ok();
         }
+        // An empty NOERROR ("no records of this type") rather than NOTIMP: it is the answer a
+        // stub resolver expects for a type a name lacks, so programs carry on (glibc, Python and
+        // curl take it as "none"), where NOTIMP makes some resolvers try the next server or
+        // report the resolver broken. It says nothing about what upstream holds.
+        if !FORWARDED.contains(&q.query_type()) {
+            audit.record("dns", dst.to_string(), Some(name), format!("query type {} is answered here, never forwarded", q.query_type()));
+            resp.set_response_code(ResponseCode::NoError);
+            return resp.to_vec().ok();
+        }
         let fqdn = format!("{name}.");
         match self.resolver.lookup(fqdn.as_str(), q.query_type()).await {
             Ok(lookup) => {
                 let records: Vec<Record> = lookup.records().to_vec();
-                if matches!(q.query_type(), RecordType::A | RecordType::AAAA | RecordType::ANY) {
+                if matches!(q.query_type(), RecordType::A | RecordType::AAAA) {
                     self.remember(&records, &name);
                 }
                 resp.add_answers(records);

@@ -19,6 +19,23 @@ use tokio::net::TcpStream;
 /// protocols such as SSH or SMTP wait this long once, when no address rule already allows them).
 const PEEK_WAIT: Duration = Duration::from_millis(1000);
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bytes ipstack holds for one connection's unread data from the sandbox; its receive window
+/// follows what is left of this (see vendor/ipstack), so a destination that does not read
+/// stops the sandbox's sender instead of growing the forwarder.
+const TCP_READ_BUFFER: usize = 1 << 16;
+/// Open TCP connections per sandbox; each holds at most [`TCP_READ_BUFFER`] of unread data,
+/// ipstack's [`MAX_UNACKED`] of data toward the sandbox and a copy buffer each way.
+pub(crate) const MAX_TCP_FLOWS: usize = 256;
+/// Bytes sent toward the sandbox and not yet acknowledged, per connection.
+const MAX_UNACKED: u32 = 1 << 20;
+/// UDP flows (source ports) to the gateway's DNS per sandbox.
+pub(crate) const MAX_UDP_FLOWS: usize = 64;
+/// DNS questions being answered at once per sandbox (UDP and TCP together); a question that
+/// finds none free is dropped, and the sandbox's resolver asks again, as it would of a busy
+/// server. The reading goes on meanwhile, so a slow upstream never lets datagrams pile up.
+pub(crate) const MAX_DNS_INFLIGHT: usize = 32;
+/// The largest DNS question over UDP read whole (EDNS's usual buffer size).
+const DNS_UDP_MAX: usize = 4096;
 
 pub(crate) async fn serve(device: TunDevice, mtu: u16, shared: Arc<Shared>) {
     let mut cfg = IpStackConfig::default();
@@ -30,8 +47,8 @@ pub(crate) async fn serve(device: TunDevice, mtu: u16, shared: Arc<Shared>) {
     tcp_cfg.timeout = Duration::from_secs(600);
     // ipstack's defaults (16 KiB in flight, 16 KiB of receive buffer) cap a download at about
     // 50 MB/s here; the sandbox's kernel is a fast, lossless peer, so keep more in flight.
-    tcp_cfg.max_unacked_bytes = 1 << 20;
-    tcp_cfg.read_buffer_size = 1 << 16;
+    tcp_cfg.max_unacked_bytes = MAX_UNACKED;
+    tcp_cfg.read_buffer_size = TCP_READ_BUFFER;
     cfg.with_tcp_config(tcp_cfg);
     let mut stack = IpStack::new(cfg, device);
     loop {
@@ -45,7 +62,16 @@ pub(crate) async fn serve(device: TunDevice, mtu: u16, shared: Arc<Shared>) {
         let shared = shared.clone();
         match flow {
             IpStackStream::Tcp(s) => {
-                tokio::spawn(tcp(shared, s));
+                let Ok(permit) = shared.tcp_flows.clone().try_acquire_owned() else {
+                    shared.audit.record("tcp", s.peer_addr().to_string(), None, format!("more than {MAX_TCP_FLOWS} connections open at once"));
+                    // ipstack's drop waits for the flow's task; not on the accept loop.
+                    tokio::spawn(async move { drop(s) });
+                    continue;
+                };
+                tokio::spawn(async move {
+                    tcp(shared, s).await;
+                    drop(permit);
+                });
             }
             IpStackStream::Udp(s) => {
                 tokio::spawn(udp(shared, s));
@@ -76,16 +102,36 @@ async fn udp(shared: Arc<Shared>, mut s: IpStackUdpStream) {
         }
         return;
     }
-    let mut buf = vec![0u8; 65536];
+    let Ok(_flow) = shared.udp_flows.clone().try_acquire_owned() else {
+        shared.audit.record("udp", dst.to_string(), None, format!("more than {MAX_UDP_FLOWS} DNS flows at once"));
+        return;
+    };
+    // Answers come back through a short queue: each question is answered in its own task
+    // (holding one of the sandbox's DNS permits), so this loop keeps reading while the
+    // upstream is slow, and what it reads is either taken or dropped, never queued.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(8);
+    let mut buf = vec![0u8; DNS_UDP_MAX];
     loop {
-        let n = match s.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        let policy = shared.policy();
-        if let Some(reply) = shared.dns.answer(&buf[..n], &policy, &shared.audit, dst).await {
-            if s.write_all(&reply).await.is_err() {
-                return;
+        tokio::select! {
+            r = s.read(&mut buf) => {
+                let n = match r {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                let Ok(permit) = shared.dns_inflight.clone().try_acquire_owned() else { continue };
+                let (shared, query, tx) = (shared.clone(), buf[..n].to_vec(), tx.clone());
+                tokio::spawn(async move {
+                    let policy = shared.policy();
+                    if let Some(reply) = shared.dns.answer(&query, &policy, &shared.audit, dst).await {
+                        let _ = tx.try_send(reply);
+                    }
+                    drop(permit);
+                });
+            }
+            Some(reply) = rx.recv() => {
+                if s.write_all(&reply).await.is_err() {
+                    return;
+                }
             }
         }
     }
@@ -103,6 +149,9 @@ async fn dns_tcp(shared: Arc<Shared>, mut s: IpStackTcpStream, dst: SocketAddr) 
             return;
         }
         let policy = shared.policy();
+        // One question at a time per connection, and the connection count is bounded; the
+        // sandbox-wide permit bounds the lookups all of them start.
+        let Ok(_permit) = shared.dns_inflight.clone().acquire_owned().await else { return };
         let Some(reply) = shared.dns.answer(&msg, &policy, &shared.audit, dst).await else { return };
         let mut out = (reply.len() as u16).to_be_bytes().to_vec();
         out.extend_from_slice(&reply);

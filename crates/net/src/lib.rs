@@ -71,6 +71,11 @@ pub(crate) struct Shared {
     pub(crate) audit: AuditLog,
     pub(crate) dns: dns::Dns,
     gateways: Vec<IpAddr>,
+    /// The per-sandbox budgets of the forwarder (see `forward`): open TCP connections, UDP DNS
+    /// flows and DNS questions in flight.
+    pub(crate) tcp_flows: Arc<tokio::sync::Semaphore>,
+    pub(crate) udp_flows: Arc<tokio::sync::Semaphore>,
+    pub(crate) dns_inflight: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -98,6 +103,9 @@ impl Egress {
             audit: AuditLog::default(),
             dns: dns::Dns::new(cfg.dns_upstream)?,
             gateways: cfg.gateways,
+            tcp_flows: Arc::new(tokio::sync::Semaphore::new(forward::MAX_TCP_FLOWS)),
+            udp_flows: Arc::new(tokio::sync::Semaphore::new(forward::MAX_UDP_FLOWS)),
+            dns_inflight: Arc::new(tokio::sync::Semaphore::new(forward::MAX_DNS_INFLIGHT)),
         });
         let task = tokio::spawn(forward::serve(device, cfg.mtu, shared.clone()));
         Ok(Egress { shared, task })
