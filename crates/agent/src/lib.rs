@@ -19,6 +19,7 @@ use std::sync::Arc;
 use cordon_envd::connect::ConnectError;
 use serde::{Deserialize, Serialize};
 
+mod command_scope;
 mod fdio;
 mod files;
 mod filesystem;
@@ -106,6 +107,11 @@ pub struct AgentConfig {
     /// The envd version the agent stands in for (reported to clients by the host).
     #[serde(default)]
     pub envd_version: Option<String>,
+    /// Put each command into a Landlock domain of its own, so that no command reads another's
+    /// (or the agent's) memory through /proc (see `command_scope`); the ns tier sets it when
+    /// ptrace is off.
+    #[serde(default)]
+    pub isolate_commands: bool,
 }
 
 /// State shared by all connections of one agent.
@@ -141,8 +147,8 @@ impl Agent {
 pub async fn serve(listener: tokio::net::UnixListener, config: AgentConfig) -> std::io::Result<()> {
     reaper::global().listen()?;
     let agent = Arc::new(Agent {
+        processes: Arc::new(process::Processes::new(command_scope::Scope::prepare(config.isolate_commands))),
         config,
-        processes: Arc::new(process::Processes::default()),
         watchers: watch::Watchers::default(),
     });
     http::run(listener, agent).await
@@ -156,8 +162,8 @@ where
 {
     reaper::global().listen()?;
     let agent = Arc::new(Agent {
+        processes: Arc::new(process::Processes::new(command_scope::Scope::prepare(config.isolate_commands))),
         config,
-        processes: Arc::new(process::Processes::default()),
         watchers: watch::Watchers::default(),
     });
     http::run_link(link, agent).await

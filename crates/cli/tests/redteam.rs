@@ -6,6 +6,7 @@
 //! ([`GVISOR_KERNEL_HANDLES`]).
 
 mod common;
+#[path = "redteam/pid1.rs"] mod pid1;
 
 use common::*;
 use serde_json::Value;

@@ -282,7 +282,10 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     // SAFETY: `exe` is an fd this process owns until exec.
     let exe_fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(exe) };
     let landlock = crate::landlock::apply(exe_fd, cfg.connect_ports.as_deref())?;
-    crate::caps::drop_bounding()?;
+    // With ptrace off the agent scopes every command in a Landlock domain of its own, which
+    // takes CAP_SYS_ADMIN; it drops that from each command's bounding set (cordon-agent's
+    // `command_scope`).
+    crate::caps::drop_bounding(!cfg.allow_ptrace)?;
     // From here on a denied syscall waits for the audit listener's holder, so nothing below
     // may make one: sendmsg, write and execveat are all allowed.
     if let Some(listener) = crate::seccomp::apply(cfg.allow_ptrace, cfg.audit)? {

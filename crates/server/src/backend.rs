@@ -199,6 +199,7 @@ fn agent_config(spec: &CreateSpec, image: &cordon_image::Image, envd_version: Op
         env,
         root: PathBuf::from("/"),
         envd_version: envd_version.map(str::to_string),
+        isolate_commands: false,
     }
 }
 
@@ -415,7 +416,9 @@ impl Backend for JailBackend {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
         let image = image_of(&self.store, &spec.template)?;
         check_spec(spec)?;
-        let agent_cfg = agent_config(spec, &image, self.envd_version.as_deref());
+        let mut agent_cfg = agent_config(spec, &image, self.envd_version.as_deref());
+        // With ptrace off, no command may open another's memory through /proc either.
+        agent_cfg.isolate_commands = !spec.allow_ptrace;
         let cfg = cordon_jail::SandboxConfig {
             id: spec.id.clone(),
             rootfs: image.rootfs.clone(),
