@@ -277,11 +277,8 @@ fn large_variables_reach_commands_and_bad_input_is_refused_at_the_door(t: Tier) 
     assert!(r.stderr.contains("between 8 and 65536"), "no range in the error: {}", r.stderr);
     assert_eq!(r.stderr.trim().lines().count(), 1, "not one line: {}", r.stderr);
 
-    // One variable longer than execve takes: refused with the bound.
-    let big = format!("BIG={}", "x".repeat(200 << 10));
-    let r = run(&t.flags(&["-e", &big]), &["true"]);
-    assert_eq!(r.code, 2, "a 200 KB variable: {:?}", (r.code, &r.stderr));
-    assert!(r.stderr.contains("131072"), "no bound in the error: {}", r.stderr);
+    // One variable longer than execve takes cannot even reach the CLI (its own argv has the
+    // same bound); the API refuses it below.
 
     // Six variables of 100 KB each: each fits execve, together they are far more than one
     // environment string holds, so they reach commands only if the config does not travel in one.
