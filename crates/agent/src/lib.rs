@@ -3,11 +3,14 @@
 //! `/health` — over a Unix socket that only the host can reach, and reaps every orphan of the
 //! sandbox as PID 1.
 //!
-//! The host starts it with `CORDON_AGENT_CONFIG` (an [`AgentConfig`] as JSON) and either
-//! `CORDON_AGENT_FD` (an inherited, listening `AF_UNIX` socket) or, where the sandbox has only one
-//! byte stream to the host, `CORDON_AGENT_LINK` (see [`Link`]): the host multiplexes its
-//! connections over that stream with `cordon-channel`. Either way the host treats everything the
-//! agent says as untrusted.
+//! The host starts it with `CORDON_AGENT_CONFIG_FD` (a descriptor carrying an [`AgentConfig`],
+//! see [`encode_config`]) and either `CORDON_AGENT_FD` (an inherited, listening `AF_UNIX` socket)
+//! or, where the sandbox has only one byte stream to the host, `CORDON_AGENT_LINK` (see
+//! [`Link`]): the host multiplexes its connections over that stream with `cordon-channel`. Either
+//! way the host treats everything the agent says as untrusted.
+//!
+//! The configuration travels on a descriptor, not in the environment: the kernel caps one
+//! environment string at 128 KiB, and a sandbox's variables may take up to a MiB together.
 
 use std::os::fd::{FromRawFd, RawFd};
 use std::path::PathBuf;
@@ -17,6 +20,7 @@ use cordon_envd::connect::ConnectError;
 use serde::{Deserialize, Serialize};
 
 mod as_user;
+mod command_scope;
 mod fdio;
 mod files;
 mod filesystem;
@@ -35,8 +39,52 @@ mod xattr;
 pub const ENV_FD: &str = "CORDON_AGENT_FD";
 /// Environment variable naming the link to serve on instead of a listening socket (see [`Link`]).
 pub const ENV_LINK: &str = "CORDON_AGENT_LINK";
-/// Environment variable holding the [`AgentConfig`] JSON.
-pub const ENV_CONFIG: &str = "CORDON_AGENT_CONFIG";
+/// Environment variable naming the descriptor the [`AgentConfig`] is read from, framed as
+/// [`encode_config`] frames it (a sealed memfd, or the start of the link itself).
+pub const ENV_CONFIG_FD: &str = "CORDON_AGENT_CONFIG_FD";
+/// Largest configuration the agent accepts: the sandbox's variables (at most a MiB, see
+/// `cordon_spec::MAX_ENV_TOTAL`) with the image's and room to spare.
+pub const MAX_CONFIG: usize = 4 << 20;
+
+/// The configuration as the agent reads it from its descriptor: a 4-byte little-endian length,
+/// then that many bytes of JSON. The length lets it share a stream with what follows.
+pub fn encode_config(config: &AgentConfig) -> Vec<u8> {
+    let json = serde_json::to_vec(config).expect("an AgentConfig serialises");
+    let mut out = Vec::with_capacity(4 + json.len());
+    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    out.extend_from_slice(&json);
+    out
+}
+
+/// Reads one framed configuration (see [`encode_config`]) from `fd`, and nothing after it.
+fn read_config(fd: RawFd) -> Result<AgentConfig, StartError> {
+    use std::io::Read;
+    // SAFETY: the host hands this descriptor over for the configuration; it is borrowed (as a
+    // File that is never dropped) only for these reads.
+    let mut file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
+    let mut len = [0u8; 4];
+    file.read_exact(&mut len).map_err(StartError::ReadConfig)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_CONFIG {
+        return Err(StartError::ConfigTooLarge(len));
+    }
+    let mut json = vec![0u8; len];
+    file.read_exact(&mut json).map_err(StartError::ReadConfig)?;
+    serde_json::from_slice(&json).map_err(StartError::BadConfig)
+}
+
+/// Makes the agent non-dumpable: no process of the sandbox, root included, may then open its
+/// memory, descriptors or environment through /proc or attach to it, unless it holds
+/// CAP_SYS_PTRACE over the agent's user namespace, which no tier grants inside. The flag
+/// survives until the agent's own exec (it never execs; commands are fresh processes and get
+/// the kernel's default back at their exec).
+pub fn make_undumpable() -> std::io::Result<()> {
+    // SAFETY: prctl with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
 
 fn default_root() -> PathBuf {
     PathBuf::from("/")
@@ -60,6 +108,11 @@ pub struct AgentConfig {
     /// The envd version the agent stands in for (reported to clients by the host).
     #[serde(default)]
     pub envd_version: Option<String>,
+    /// Put each command into a Landlock domain of its own, so that no command reads another's
+    /// (or the agent's) memory through /proc (see `command_scope`); the ns tier sets it when
+    /// ptrace is off.
+    #[serde(default)]
+    pub isolate_commands: bool,
 }
 
 /// State shared by all connections of one agent.
@@ -95,8 +148,8 @@ impl Agent {
 pub async fn serve(listener: tokio::net::UnixListener, config: AgentConfig) -> std::io::Result<()> {
     reaper::global().listen()?;
     let agent = Arc::new(Agent {
+        processes: Arc::new(process::Processes::new(command_scope::Scope::prepare(config.isolate_commands))),
         config,
-        processes: Arc::new(process::Processes::default()),
         watchers: watch::Watchers::default(),
     });
     http::run(listener, agent).await
@@ -110,8 +163,8 @@ where
 {
     reaper::global().listen()?;
     let agent = Arc::new(Agent {
+        processes: Arc::new(process::Processes::new(command_scope::Scope::prepare(config.isolate_commands))),
         config,
-        processes: Arc::new(process::Processes::default()),
         watchers: watch::Watchers::default(),
     });
     http::run_link(link, agent).await
@@ -193,14 +246,23 @@ enum StartError {
     /// The descriptor variable is not a number.
     #[error("{ENV_FD}={0:?} is not a file descriptor number")]
     BadFd(String),
+    /// The configuration descriptor variable is not a number.
+    #[error("{ENV_CONFIG_FD}={0:?} is not a file descriptor number")]
+    BadConfigFd(String),
     /// The descriptor is not a listening Unix socket.
     #[error("descriptor {0} is not a Unix socket: {1}")]
     NotASocket(RawFd, std::io::Error),
     /// The link variable is malformed.
     #[error("{0}")]
     BadLink(String),
+    /// The configuration descriptor could not be read.
+    #[error("reading the configuration from {ENV_CONFIG_FD}: {0}")]
+    ReadConfig(std::io::Error),
+    /// The configuration is larger than any host sends.
+    #[error("the configuration announces {0} bytes, more than the {MAX_CONFIG} accepted")]
+    ConfigTooLarge(usize),
     /// The configuration JSON is invalid.
-    #[error("invalid {ENV_CONFIG}: {0}")]
+    #[error("invalid configuration: {0}")]
     BadConfig(serde_json::Error),
     /// The runtime or the listener could not be set up.
     #[error("cannot start: {0}")]
@@ -226,14 +288,22 @@ fn check_socket(fd: RawFd) -> std::io::Result<()> {
 }
 
 fn start() -> Result<(), StartError> {
-    let config_text = std::env::var(ENV_CONFIG).map_err(|_| StartError::MissingEnv(ENV_CONFIG))?;
+    // First of all: until this returns, sandbox root could open the agent's memory.
+    make_undumpable()?;
+    let config_fd_text = std::env::var(ENV_CONFIG_FD).map_err(|_| StartError::MissingEnv(ENV_CONFIG_FD))?;
     let link = std::env::var(ENV_LINK).ok();
     let fd_text = std::env::var(ENV_FD).ok();
     // Children build their environment from scratch, but nothing should see these either.
     std::env::remove_var(ENV_FD);
     std::env::remove_var(ENV_LINK);
-    std::env::remove_var(ENV_CONFIG);
-    let config: AgentConfig = serde_json::from_str(&config_text).map_err(StartError::BadConfig)?;
+    std::env::remove_var(ENV_CONFIG_FD);
+    let config_fd: RawFd = config_fd_text.trim().parse().ok().filter(|n| *n >= 0).ok_or_else(|| StartError::BadConfigFd(config_fd_text.clone()))?;
+    let config = read_config(config_fd)?;
+    // A descriptor of its own (not the start of a stdio link) is done with once read.
+    if !(link.as_deref() == Some("stdio") && config_fd == 0) {
+        // SAFETY: closing the configuration descriptor, which nothing else uses.
+        unsafe { libc::close(config_fd) };
+    }
     // One thread: an idle sandbox should cost the host as little memory as possible.
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
 

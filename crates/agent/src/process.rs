@@ -279,6 +279,8 @@ impl Proc {
 #[derive(Default)]
 pub(crate) struct Processes {
     map: Mutex<HashMap<u32, Arc<Proc>>>,
+    /// Each command in a Landlock domain of its own (see `command_scope`), when configured.
+    scope: Option<Arc<crate::command_scope::Scope>>,
 }
 
 /// The environment of a spawned child, prepared before `fork` so that the child does no
@@ -290,6 +292,7 @@ struct ChildSetup {
     switch_user: bool,
     cwd: CString,
     controlling_tty: bool,
+    scope: Option<Arc<crate::command_scope::Scope>>,
 }
 
 impl ChildSetup {
@@ -310,6 +313,10 @@ impl ChildSetup {
             check(libc::setsid())?;
             if self.controlling_tty {
                 check(libc::ioctl(0, libc::TIOCSCTTY, 0))?;
+            }
+            // While still the agent's user: entering the domain needs its capability.
+            if let Some(scope) = &self.scope {
+                scope.enter()?;
             }
             if self.switch_user {
                 check(libc::setgroups(self.groups.len(), self.groups.as_ptr()))?;
@@ -346,6 +353,10 @@ struct Source {
 }
 
 impl Processes {
+    pub fn new(scope: Option<crate::command_scope::Scope>) -> Processes {
+        Processes { map: Mutex::default(), scope: scope.map(Arc::new) }
+    }
+
     /// Spawns a process and returns it with the subscription of its starter (registered before
     /// any output is read, so none is lost).
     pub fn spawn(self: &Arc<Self>, spec: SpawnSpec) -> Result<(Arc<Proc>, Subscription), ConnectError> {
@@ -386,6 +397,7 @@ impl Processes {
             cwd: CString::new(spec.cwd.as_os_str().as_bytes())
                 .map_err(|_| ConnectError::invalid_argument("cwd contains a NUL byte"))?,
             controlling_tty: master.is_some(),
+            scope: self.scope.clone(),
         };
         // SAFETY: `apply` only makes async-signal-safe syscalls on data prepared before fork.
         unsafe {

@@ -8,6 +8,7 @@
 mod common;
 #[path = "redteam/budgets.rs"] mod budgets;
 #[path = "redteam/hostside.rs"] mod hostside;
+#[path = "redteam/pid1.rs"] mod pid1;
 
 use common::*;
 use serde_json::Value;

@@ -179,12 +179,26 @@ impl LinkThread {
 
 /// Serves `listener` over the agent's pipes on a thread of its own (one small runtime per
 /// sandbox: the link must keep moving whatever the caller's runtime does).
-pub fn serve_link(from_agent: OwnedFd, to_agent: OwnedFd, listener: std::os::unix::net::UnixListener) -> Result<LinkThread, GvisorError> {
+/// `config` goes out first, before the channel: the agent reads it from its stdin (the far end
+/// of `to_agent`) and only then starts serving.
+pub fn serve_link(
+    from_agent: OwnedFd,
+    to_agent: OwnedFd,
+    listener: std::os::unix::net::UnixListener,
+    config: Vec<u8>,
+) -> Result<LinkThread, GvisorError> {
     listener.set_nonblocking(true).map_err(crate::io_err("agent socket"))?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::Builder::new()
         .name("gvisor-link".into())
         .spawn(move || {
+            use std::io::Write;
+            let mut to = std::fs::File::from(to_agent);
+            if let Err(e) = to.write_all(&config) {
+                tracing::debug!("sending the agent its configuration: {e}");
+                return;
+            }
+            let to_agent = OwnedFd::from(to);
             let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_io().build() else { return };
             rt.block_on(async move {
                 let (link, listener) = match (cordon_channel::FdLink::new(from_agent, to_agent), tokio::net::UnixListener::from_std(listener)) {

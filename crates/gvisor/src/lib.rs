@@ -76,8 +76,9 @@ pub struct SandboxConfig {
     /// The image's root tree (read-only; never written).
     pub rootfs: PathBuf,
     pub limits: Limits,
-    /// Environment given to the agent (its config).
-    pub agent_env: Vec<(String, String)>,
+    /// The agent's configuration (see `cordon_agent::encode_config`): sent as the first bytes
+    /// of the link, before the channel starts, never in the environment.
+    pub agent_config: Vec<u8>,
     /// Egress: a TUN interface whose descriptor the caller takes with [`Sandbox::take_tun`]
     /// and serves; without it the sandbox has gVisor's loopback only.
     pub tun: bool,
@@ -218,8 +219,11 @@ impl Gvisor {
         if netns.is_some() {
             fs::write(&resolv, cordon_jail::tun::resolv_conf()).map_err(io_err("write resolv.conf"))?;
         }
-        let mut agent_env = vec![(String::from("CORDON_AGENT_LINK"), String::from("stdio"))];
-        agent_env.extend(cfg.agent_env.iter().cloned());
+        // The configuration comes first on the link's stdin (see `launch::serve_link`).
+        let agent_env = [
+            (String::from("CORDON_AGENT_LINK"), String::from("stdio")),
+            (String::from("CORDON_AGENT_CONFIG_FD"), String::from("0")),
+        ];
         bundle::Bundle {
             id: &cfg.id,
             rootfs: &rootfs,
@@ -250,7 +254,7 @@ impl Gvisor {
         sb.tun = netns.map(|n| n.tun);
         sb.pidfd = Some(launched.pidfd);
         sb.child = Some(launched.child);
-        sb.link = Some(launch::serve_link(launched.from_agent, launched.to_agent, listener)?);
+        sb.link = Some(launch::serve_link(launched.from_agent, launched.to_agent, listener, cfg.agent_config.clone())?);
         sb.write_record()?;
         sb.wait_ready()?;
         tracing::debug!(id = %cfg.id, elapsed = ?started.elapsed(), platform = %self.platform, "gvisor sandbox ready");

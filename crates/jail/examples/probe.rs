@@ -26,7 +26,7 @@ fn main() {
             id: cordon_jail::new_id(),
             rootfs: rootfs.into(),
             limits: Default::default(),
-            agent_env: vec![("SCRIPT".into(), script)],
+            agent_config: script.into_bytes(),
             allow_ptrace: false,
             audit: false,
             tun: false,
@@ -45,7 +45,10 @@ fn stand_in_agent() -> ! {
     // SAFETY: fd 3 is the listening socket the jailer passes to the agent.
     let l = unsafe { UnixListener::from_raw_fd(3) };
     let (conn, _) = l.accept().unwrap();
-    let script = std::env::var("SCRIPT").unwrap();
+    let mut script = String::new();
+    // SAFETY: the jailer hands the config (here: the script) over on this descriptor.
+    let mut config = unsafe { std::fs::File::from_raw_fd(cordon_jail::jailer::CONFIG_FD) };
+    config.read_to_string(&mut script).unwrap();
     let err = std::os::unix::process::CommandExt::exec(
         std::process::Command::new("/bin/sh")
             .arg("-c")

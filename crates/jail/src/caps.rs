@@ -28,11 +28,16 @@ fn last_cap() -> u32 {
         .unwrap_or(40)
 }
 
+/// CAP_SYS_ADMIN, left to the agent alone when it scopes commands (see the agent's
+/// `command_scope`): each command drops it from its bounding set before its exec.
+const CAP_SYS_ADMIN: u32 = 21;
+
 /// Drops every other capability from the bounding set and clears the ambient set. Must run
 /// before the seccomp filter is installed only in so far as prctl stays allowed (it does).
-pub fn drop_bounding() -> io::Result<()> {
+/// `agent_admin`: leave CAP_SYS_ADMIN for the agent, which takes it from every command.
+pub fn drop_bounding(agent_admin: bool) -> io::Result<()> {
     for cap in 0..=last_cap() {
-        if KEEP.contains(&cap) {
+        if KEEP.contains(&cap) || (agent_admin && cap == CAP_SYS_ADMIN) {
             continue;
         }
         // SAFETY: prctl with integer arguments.

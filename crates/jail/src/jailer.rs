@@ -16,8 +16,12 @@
 //! 6. wait until the init has exec'd the agent (its end of a close-on-exec socket closes) or
 //!    reported an error, print the outcome, exit.
 //!
-//! The init (the clone) builds its root, pivots, drops to a clean fd table and environment, and
-//! execs the agent from a descriptor: the agent binary is never mounted into the sandbox.
+//! The init (the clone) builds its root, pivots, leaves the session (and so the controlling
+//! terminal) of whoever started cordon, drops to a clean fd table and environment, and execs the
+//! agent from a descriptor: the agent binary is never mounted into the sandbox. The descriptor is
+//! a detached clone of the binary's mount, so `/proc/1/exe` and the agent's maps name `/` and
+//! nothing of the host's paths. The agent's configuration arrives on a sealed memfd
+//! ([`CONFIG_FD`]), never in the environment, whose single strings the kernel caps at 128 KiB.
 
 use crate::{rootfs, sys};
 use serde::{Deserialize, Serialize};
@@ -41,7 +45,10 @@ pub struct JailerConfig {
     pub cgroup_procs: Vec<PathBuf>,
     pub disk_bytes: u64,
     pub nofile: u64,
-    pub agent_env: Vec<(String, String)>,
+    /// Bytes the agent reads from [`CONFIG_FD`]; sent raw after the JSON line, not inside it.
+    #[serde(skip)]
+    pub agent_config: Vec<u8>,
+    pub agent_config_len: usize,
     /// Whether ptrace and process_vm_* are allowed inside (debuggers, profilers).
     #[serde(default)]
     pub allow_ptrace: bool,
@@ -55,6 +62,10 @@ pub struct JailerConfig {
     #[serde(default)]
     pub connect_ports: Option<Vec<(u16, u16)>>,
 }
+
+/// The descriptor the agent finds its configuration on (`CORDON_AGENT_CONFIG_FD`), after the
+/// listening socket on 3.
+pub const CONFIG_FD: RawFd = 4;
 
 /// The jailer's one line of output.
 #[derive(Debug, Serialize, Deserialize)]
@@ -80,8 +91,12 @@ pub fn main() -> ! {
     let mut keep = Vec::new();
     let reply = match io::stdin().read_line(&mut input) {
         Err(e) => JailerReply::Failed { error: format!("reading jailer config: {e}") },
-        Ok(_) => match serde_json::from_str::<JailerConfig>(&input) {
-            Err(e) => JailerReply::Failed { error: format!("bad jailer config: {e}") },
+        Ok(_) => match serde_json::from_str::<JailerConfig>(&input).map_err(|e| format!("bad jailer config: {e}")).and_then(|mut cfg| {
+            cfg.agent_config = vec![0; cfg.agent_config_len];
+            io::stdin().read_exact(&mut cfg.agent_config).map_err(|e| format!("reading the agent's config: {e}"))?;
+            Ok(cfg)
+        }) {
+            Err(error) => JailerReply::Failed { error },
             Ok(cfg) => match run(&cfg) {
                 Ok(Ready { pid, phases, landlock, listener, tun }) => {
                     let notify_fd = listener.as_ref().map(|l| l.as_raw_fd());
@@ -134,7 +149,9 @@ fn run(cfg: &JailerConfig) -> io::Result<Ready> {
     let listener = UnixListener::bind(&cfg.socket)
         .map_err(|e| io::Error::new(e.kind(), format!("bind agent socket {}: {e}", cfg.socket.display())))?;
     fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
-    let exe = fs::File::open("/proc/self/exe")?;
+    // A detached clone of the binary's mount, not the file opened by path: exec'd from it, the
+    // agent's /proc/1/exe and maps read `/` instead of the host path of the cordon binary.
+    let exe = sys::open_tree_clone(std::path::Path::new("/proc/self/exe"))?;
     let (parent_end, child_end) = sys::socketpair()?;
 
     let flags = libc::CLONE_NEWUSER
@@ -257,6 +274,11 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
 
     sys::setrlimit(libc::RLIMIT_NOFILE, cfg.nofile, cfg.nofile)?;
     sys::setrlimit(libc::RLIMIT_CORE, 0, 0)?;
+    // A session of its own: the jailer runs in the session of whoever started cordon (a
+    // terminal, for `cordon run` and `cordon mcp`), and a process of that session can reopen
+    // its controlling terminal through /dev/tty. The new session has no terminal at all.
+    sys::setsid()?;
+    let config = sys::sealed_memfd("cordon-agent-config", &cfg.agent_config)?;
 
     let null: OwnedFd = fs::OpenOptions::new().read(true).write(true).open("/dev/null")?.into();
     for fd in 0..3 {
@@ -264,13 +286,18 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     }
     drop(null);
     sys::dup2(listener, 3)?;
-    sys::cloexec_from(4)?;
+    sys::dup2(config.as_raw_fd(), CONFIG_FD)?;
+    drop(config);
+    sys::cloexec_from(CONFIG_FD as libc::c_uint + 1)?;
 
     // The three filters, in the order that keeps each step permitted by the ones before it.
     // SAFETY: `exe` is an fd this process owns until exec.
     let exe_fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(exe) };
     let landlock = crate::landlock::apply(exe_fd, cfg.connect_ports.as_deref())?;
-    crate::caps::drop_bounding()?;
+    // With ptrace off the agent scopes every command in a Landlock domain of its own, which
+    // takes CAP_SYS_ADMIN; it drops that from each command's bounding set (cordon-agent's
+    // `command_scope`).
+    crate::caps::drop_bounding(!cfg.allow_ptrace)?;
     // From here on a denied syscall waits for the audit listener's holder, so nothing below
     // may make one: sendmsg, write and execveat are all allowed.
     if let Some(listener) = crate::seccomp::apply(cfg.allow_ptrace, cfg.audit)? {
@@ -281,10 +308,10 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     unsafe { libc::write(sock.as_raw_fd(), status.as_ptr().cast(), status.len()) };
 
     let argv = [CString::new("cordon-agent").expect("static")];
-    let mut envp = vec![CString::new("CORDON_AGENT_FD=3").expect("static")];
-    for (k, v) in &cfg.agent_env {
-        envp.push(CString::new(format!("{k}={v}")).map_err(|_| io::Error::other("NUL in agent env"))?);
-    }
+    let envp = [
+        CString::new("CORDON_AGENT_FD=3").expect("static"),
+        CString::new(format!("CORDON_AGENT_CONFIG_FD={CONFIG_FD}")).expect("no NUL"),
+    ];
     Err(sys::execveat_fd(exe, &argv, &envp))
 }
 
@@ -310,6 +337,7 @@ pub(crate) fn spawn(exe: &std::path::Path, cfg: &JailerConfig) -> io::Result<(Ja
         .map_err(|e| io::Error::new(e.kind(), format!("start jailer {}: {e}", exe.display())))?;
     let mut input = serde_json::to_vec(cfg).map_err(io::Error::other)?;
     input.push(b'\n');
+    input.extend_from_slice(&cfg.agent_config);
     let mut stdin = child.stdin.take().expect("piped");
     stdin.write_all(&input)?;
     let mut line = String::new();

@@ -66,8 +66,9 @@ pub struct SandboxConfig {
     /// The image's root tree (read-only; never written).
     pub rootfs: PathBuf,
     pub limits: Limits,
-    /// Environment given to the agent (its config); the agent clears it for commands.
-    pub agent_env: Vec<(String, String)>,
+    /// The agent's configuration, as it reads it from its descriptor `CORDON_AGENT_CONFIG_FD`
+    /// (see `cordon_agent::encode_config`); the jail hands it over as is.
+    pub agent_config: Vec<u8>,
     /// Allow ptrace and process_vm_* inside (debuggers, profilers); off by default.
     pub allow_ptrace: bool,
     /// Record every denied syscall (see [`audit`]).
@@ -198,7 +199,8 @@ impl Jail {
             cgroup_procs: sb.cgroup.procs_files(),
             disk_bytes: cfg.limits.disk_bytes,
             nofile: cfg.limits.nofile,
-            agent_env: cfg.agent_env.clone(),
+            agent_config: cfg.agent_config.clone(),
+            agent_config_len: cfg.agent_config.len(),
             allow_ptrace: cfg.allow_ptrace,
             audit: cfg.audit,
             tun: cfg.tun,

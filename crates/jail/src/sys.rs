@@ -207,6 +207,29 @@ pub fn set_effective_ids(id: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// Starts a new session (with no controlling terminal) led by the caller.
+pub fn setsid() -> io::Result<()> {
+    // SAFETY: no arguments; fails only when the caller already leads a process group.
+    check(unsafe { libc::setsid() } as _, "setsid").map(drop)
+}
+
+/// A close-on-exec memfd holding `data`, positioned at its start and sealed against every
+/// change: the reader gets exactly these bytes and nobody can alter them afterwards.
+pub fn sealed_memfd(name: &str, data: &[u8]) -> io::Result<OwnedFd> {
+    use std::io::{Seek, Write};
+    let n = CString::new(name).map_err(|_| io::Error::other("NUL in memfd name"))?;
+    // SAFETY: a valid name string; the returned fd is new and ours.
+    let fd = check(unsafe { libc::memfd_create(n.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) } as _, "memfd_create")?;
+    // SAFETY: the kernel just returned this fd to us and nobody else owns it.
+    let mut f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
+    f.write_all(data)?;
+    f.rewind()?;
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl with integer arguments on our own fd.
+    check(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, seals) } as _, "seal memfd")?;
+    Ok(f.into())
+}
+
 pub fn setrlimit(res: libc::__rlimit_resource_t, soft: u64, hard: u64) -> io::Result<()> {
     let lim = libc::rlimit { rlim_cur: soft, rlim_max: hard };
     // SAFETY: `lim` is a valid rlimit for the duration of the call.

@@ -179,6 +179,9 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
         };
         return Err(ApiError::bad_request(format!("{field}: {}", e.reason)));
     }
+    let env_vars = b.env_vars.unwrap_or_default();
+    cordon_spec::validate_env_vars(env_vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .map_err(|e| ApiError::bad_request(format!("envVars: {}", e.reason)))?;
     let network = match (b.allow_internet_access, &b.network) {
         (Some(false), _) | (_, None) => cordon_spec::NetworkPolicy::default(),
         (_, Some(n)) => n.policy()?,
@@ -191,7 +194,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             template,
             timeout: timeout_from(b.timeout, DEFAULT_TIMEOUT_SECS)?,
             metadata: b.metadata.unwrap_or_default(),
-            env_vars: b.env_vars.unwrap_or_default(),
+            env_vars,
             cpu_count,
             memory_mb,
             disk_mb,

@@ -177,6 +177,14 @@ fn image_of(store: &cordon_image::Store, template: &str) -> Result<cordon_image:
     }
 }
 
+/// The checks every front end made already, again where the backends take the spec: limits a
+/// cgroup accepts and variables every command can be started with.
+fn check_spec(spec: &CreateSpec) -> Result<(), BackendError> {
+    let bad = |e: cordon_spec::SpecError| BackendError::BadRequest(format!("{}: {}", e.field, e.reason));
+    spec.limits.validate().map_err(bad)?;
+    cordon_spec::validate_env_vars(spec.env_vars.iter().map(|(k, v)| (k.as_str(), v.as_str()))).map_err(bad)
+}
+
 /// The agent's configuration for `spec`: the image's environment, then the spec's.
 fn agent_config(spec: &CreateSpec, image: &cordon_image::Image, envd_version: Option<&str>) -> cordon_agent::AgentConfig {
     let mut env = image.meta.env.clone();
@@ -191,6 +199,7 @@ fn agent_config(spec: &CreateSpec, image: &cordon_image::Image, envd_version: Op
         env,
         root: PathBuf::from("/"),
         envd_version: envd_version.map(str::to_string),
+        isolate_commands: false,
     }
 }
 
@@ -406,16 +415,15 @@ fn refuse_network(spec: &CreateSpec) -> Result<(), BackendError> {
 impl Backend for JailBackend {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
         let image = image_of(&self.store, &spec.template)?;
-        spec.limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
-        let agent_cfg = agent_config(spec, &image, self.envd_version.as_deref());
+        check_spec(spec)?;
+        let mut agent_cfg = agent_config(spec, &image, self.envd_version.as_deref());
+        // With ptrace off, no command may open another's memory through /proc either.
+        agent_cfg.isolate_commands = !spec.allow_ptrace;
         let cfg = cordon_jail::SandboxConfig {
             id: spec.id.clone(),
             rootfs: image.rootfs.clone(),
             limits: spec.limits.clone(),
-            agent_env: vec![(
-                cordon_agent::ENV_CONFIG.into(),
-                serde_json::to_string(&agent_cfg).map_err(|e| BackendError::Failed(e.to_string()))?,
-            )],
+            agent_config: cordon_agent::encode_config(&agent_cfg),
             allow_ptrace: spec.allow_ptrace,
             audit: spec.audit,
             tun: spec.network.is_enabled(),
@@ -505,7 +513,7 @@ impl Backend for GvisorBackend {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
         refuse_network(spec)?;
         let image = image_of(&self.store, &spec.template)?;
-        spec.limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
+        check_spec(spec)?;
         if spec.allow_ptrace {
             // gVisor implements ptrace in its own kernel: nothing to open up on the host.
             tracing::debug!(id = %spec.id, "allow_ptrace has no effect under gVisor");
@@ -515,10 +523,7 @@ impl Backend for GvisorBackend {
             id: spec.id.clone(),
             rootfs: image.rootfs.clone(),
             limits: spec.limits.clone(),
-            agent_env: vec![(
-                cordon_agent::ENV_CONFIG.into(),
-                serde_json::to_string(&agent_cfg).map_err(|e| BackendError::Failed(e.to_string()))?,
-            )],
+            agent_config: cordon_agent::encode_config(&agent_cfg),
             tun: spec.network.is_enabled(),
         };
         let mut sb = self.gv.create(&cfg).map_err(|e| BackendError::Failed(e.to_string()))?;
@@ -589,7 +594,7 @@ impl Backend for VmBackend {
     fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
         refuse_network(spec)?;
         let image = image_of(&self.store, &spec.template)?;
-        spec.limits.validate().map_err(|e| BackendError::BadRequest(format!("{}: {}", e.field, e.reason)))?;
+        check_spec(spec)?;
         let vm_err = |e: cordon_vm::VmError| match e {
             cordon_vm::VmError::BadRequest(m) => BackendError::BadRequest(m),
             cordon_vm::VmError::Unsupported(m) => BackendError::Unavailable(m),

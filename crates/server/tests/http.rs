@@ -104,6 +104,7 @@ impl Backend for InProcess {
             env: spec.env_vars.clone().into_iter().collect(),
             root: PathBuf::from("/"),
             envd_version: None,
+            isolate_commands: false,
         };
         // `create` runs on a blocking thread of the server's runtime.
         let task = tokio::runtime::Handle::current().spawn(async move {

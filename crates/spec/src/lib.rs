@@ -8,7 +8,7 @@ mod limits;
 mod network;
 mod parse;
 
-pub use limits::{Limits, DEFAULT_CPUS, DEFAULT_DISK, DEFAULT_MEMORY, DEFAULT_NOFILE, DEFAULT_PIDS, DEFAULT_TIMEOUT};
+pub use limits::{Limits, MAX_PIDS, DEFAULT_CPUS, DEFAULT_DISK, DEFAULT_MEMORY, DEFAULT_NOFILE, DEFAULT_PIDS, DEFAULT_TIMEOUT};
 pub use network::{canonical, normalize_name, Cidr, NetRule, NetworkPolicy, Target, Verdict};
 pub use parse::{parse_duration, parse_size, format_size};
 
@@ -123,9 +123,7 @@ impl SandboxSpec {
     pub fn validate(&self) -> Result<(), SpecError> {
         validate_image_name(&self.image)?;
         self.limits.validate()?;
-        for (k, v) in &self.env {
-            validate_env(k, v)?;
-        }
+        validate_env_vars(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
         if let Some(w) = &self.workdir {
             if !w.starts_with('/') {
                 return Err(SpecError::new("workdir", format!("'{w}' is not an absolute path")));
@@ -166,6 +164,31 @@ pub fn parse_env(s: &str) -> Result<(String, String), SpecError> {
     Ok((k.to_string(), v.to_string()))
 }
 
+/// Longest `KEY=VALUE` a sandbox variable may be, in bytes with its terminating NUL: the kernel
+/// refuses any longer single string at `execve` (MAX_ARG_STRLEN), so every command would fail.
+pub const MAX_ENV_VAR: usize = 128 << 10;
+/// Most bytes all sandbox variables may take together (each `KEY=VALUE` and its NUL): a quarter
+/// of the 8 MiB default stack is all `execve` takes for arguments and environment together, and
+/// commands need room for their own arguments and variables on top.
+pub const MAX_ENV_TOTAL: usize = 1 << 20;
+
+/// Checks a sandbox's variables one by one and together: names and values every command can
+/// be started with (see [`MAX_ENV_VAR`], [`MAX_ENV_TOTAL`]).
+pub fn validate_env_vars<'a>(vars: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<(), SpecError> {
+    let mut total = 0usize;
+    for (k, v) in vars {
+        validate_env(k, v)?;
+        total += k.len() + v.len() + 2;
+    }
+    if total > MAX_ENV_TOTAL {
+        return Err(SpecError::new(
+            "env",
+            format!("the variables take {total} bytes together, more than the {MAX_ENV_TOTAL} a sandbox may have: pass large data as a file"),
+        ));
+    }
+    Ok(())
+}
+
 fn validate_env(k: &str, v: &str) -> Result<(), SpecError> {
     let key_ok = !k.is_empty()
         && !k.as_bytes()[0].is_ascii_digit()
@@ -178,6 +201,13 @@ fn validate_env(k: &str, v: &str) -> Result<(), SpecError> {
     }
     if v.contains('\0') {
         return Err(SpecError::new("env", format!("the value of {k} contains a NUL byte")));
+    }
+    let len = k.len() + v.len() + 2;
+    if len > MAX_ENV_VAR {
+        return Err(SpecError::new(
+            "env",
+            format!("{k} takes {len} bytes, more than the {MAX_ENV_VAR} one variable may have (KEY=VALUE and a NUL): pass large data as a file"),
+        ));
     }
     Ok(())
 }
@@ -226,6 +256,14 @@ mod tests {
         assert!(e.to_string().contains("KEY=VALUE"), "{e}");
         assert!(parse_env("1X=1").is_err());
         assert!(parse_env("A-B=1").is_err());
+        assert!(parse_env("A\0B=1").is_err());
+        let big = "x".repeat(MAX_ENV_VAR);
+        assert!(parse_env(&format!("A={big}")).unwrap_err().reason.contains("131072"));
+        let fits = "x".repeat(MAX_ENV_VAR - 4);
+        assert!(parse_env(&format!("A={fits}")).is_ok());
+        let many: Vec<(String, String)> = (0..9).map(|i| (format!("V{i}"), "y".repeat(120 << 10))).collect();
+        let e = validate_env_vars(many.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap_err();
+        assert!(e.reason.contains("together"), "{e}");
     }
 
     #[test]

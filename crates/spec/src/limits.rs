@@ -17,6 +17,10 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 const MIN_MEMORY: u64 = 16 << 20;
 const MIN_DISK: u64 = 1 << 20;
 const MIN_PIDS: u32 = 8;
+/// Most tasks a sandbox may ask for: far beyond what one sandbox needs, and low enough that every
+/// tier can write it into a cgroup (the kernel refuses `pids.max` above its PID_MAX_LIMIT of
+/// 4,194,304, and the gvisor tier multiplies the figure by its tasks per sandbox task).
+pub const MAX_PIDS: u32 = 65_536;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -60,8 +64,8 @@ impl Limits {
         if !(self.cpus.is_finite() && self.cpus >= 0.01 && self.cpus <= 1024.0) {
             return Err(SpecError::new("cpus", format!("{} is not between 0.01 and 1024", self.cpus)));
         }
-        if self.pids < MIN_PIDS {
-            return Err(SpecError::new("pids", format!("{} is below the minimum of {MIN_PIDS}", self.pids)));
+        if !(MIN_PIDS..=MAX_PIDS).contains(&self.pids) {
+            return Err(SpecError::new("pids", format!("{} is not between {MIN_PIDS} and {MAX_PIDS}", self.pids)));
         }
         if self.disk_bytes < MIN_DISK {
             return Err(SpecError::new(
@@ -120,6 +124,8 @@ mod tests {
             Limits { cpus: 0.0, ..Default::default() },
             Limits { cpus: f64::NAN, ..Default::default() },
             Limits { pids: 1, ..Default::default() },
+            Limits { pids: u32::MAX, ..Default::default() },
+            Limits { pids: MAX_PIDS + 1, ..Default::default() },
             Limits { disk_bytes: 10, ..Default::default() },
             Limits { timeout: Duration::ZERO, ..Default::default() },
         ];

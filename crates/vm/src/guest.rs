@@ -161,6 +161,9 @@ fn init() -> Result<(), String> {
     tracing::debug!(elapsed = ?t0.elapsed(), "guest init ready");
     step("serving the agent");
 
+    // As on the other tiers, nothing of the guest may open the agent's memory through /proc
+    // without CAP_SYS_PTRACE (which guest root does hold: the guest kernel is the boundary).
+    cordon_agent::make_undumpable().map_err(|e| format!("make the agent non-dumpable: {e}"))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("runtime: {e}"))?;
     rt.block_on(async move {
         let link = cordon_channel::FdLink::duplex(link)?;

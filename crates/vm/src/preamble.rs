@@ -155,6 +155,7 @@ mod tests {
                 env: vec![("A".into(), "b".into())],
                 root: "/".into(),
                 envd_version: None,
+                isolate_commands: false,
             },
             seed: vec![7; 32],
         }

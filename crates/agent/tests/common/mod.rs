@@ -97,6 +97,7 @@ async fn start_agent_on(linked: bool, tweak: impl FnOnce(&mut AgentConfig)) -> T
         env: vec![("SANDBOX_VAR".into(), "from-sandbox".into()), ("OVERRIDE".into(), "sandbox".into())],
         root,
         envd_version: Some("0.6.13".into()),
+        isolate_commands: false,
     };
     tweak(&mut config);
     if linked {
