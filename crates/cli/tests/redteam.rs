@@ -6,6 +6,7 @@
 //! ([`GVISOR_KERNEL_HANDLES`]).
 
 mod common;
+mod fsview;
 
 use common::*;
 use serde_json::Value;
