@@ -6,7 +6,7 @@
 //! ([`GVISOR_KERNEL_HANDLES`]).
 
 mod common;
-mod fsview;
+#[path = "redteam/fsview.rs"] mod fsview;
 
 use common::*;
 use serde_json::Value;
