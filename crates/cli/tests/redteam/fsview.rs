@@ -4,6 +4,7 @@
 
 use crate::common;
 use crate::common::*;
+use crate::{per_tier, require_root};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
