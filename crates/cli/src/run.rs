@@ -2,7 +2,7 @@
 
 use crate::state::State;
 use crate::usage;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, NetworkPolicy, SandboxSpec, Tier};
 use cordon_server::backend::{BackendError, CreateSpec, Instance};
