@@ -6,6 +6,7 @@
 //! - `/init` as PID 1: the guest init of a vm-tier sandbox;
 //! - everything else: the command line.
 
+mod copy;
 mod doctor;
 mod image_cmd;
 mod mcp;

@@ -2,7 +2,7 @@
 
 use crate::state::State;
 use crate::usage;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, NetworkPolicy, SandboxSpec, Tier};
 use cordon_server::backend::{BackendError, CreateSpec, Instance};
@@ -351,7 +351,7 @@ async fn run_command(socket: &Path, spec: &SandboxSpec, cmd: &[String], copies: 
     let client = cordon_envd::EnvdClient::new(socket.to_path_buf());
     let user = Some(spec.user.as_str());
     for c in copies {
-        copy_in(&client, &c.host, &c.sandbox, user).await?;
+        crate::copy::copy_in(&client, &c.host, &c.sandbox, user).await?;
     }
     let req = StartRequest {
         process: Some(ProcessConfig {
@@ -461,35 +461,6 @@ fn signal_of(status: &str) -> Option<i32> {
         "terminated" => 15,
         other => other.strip_prefix("signal ").and_then(|n| n.parse().ok())?,
     })
-}
-
-/// Copies a host file or directory tree in through the agent's file API, file by file.
-async fn copy_in(client: &cordon_envd::EnvdClient, host: &Path, dest: &str, user: Option<&str>) -> Result<()> {
-    let meta = std::fs::metadata(host).with_context(|| format!("--copy: read {}", host.display()))?;
-    if meta.is_file() {
-        let data = std::fs::read(host).with_context(|| format!("--copy: read {}", host.display()))?;
-        client
-            .upload_file(dest, user, data.into())
-            .await
-            .with_context(|| format!("--copy: write {dest} in the sandbox"))?;
-        return Ok(());
-    }
-    let mut stack = vec![(host.to_path_buf(), dest.trim_end_matches('/').to_string())];
-    while let Some((dir, target)) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).with_context(|| format!("--copy: list {}", dir.display()))? {
-            let entry = entry?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let t = format!("{target}/{name}");
-            let ft = entry.file_type()?;
-            if ft.is_dir() {
-                stack.push((entry.path(), t));
-            } else if ft.is_file() {
-                let data = std::fs::read(entry.path())?;
-                client.upload_file(&t, user, data.into()).await.with_context(|| format!("--copy: write {t}"))?;
-            }
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -92,8 +92,10 @@ fn nothing_of_the_host_is_mounted_and_no_host_env_leaks(tier: Tier) {
         };
         if fstype == "9p" {
             let target = line.split_whitespace().nth(1).unwrap();
-            assert!(target == "/" || target == cordon_gvisor::bundle::AGENT_PATH, "unexpected 9p mount: {line}");
-            assert!(target == "/" || line.split_whitespace().nth(3).is_some_and(|o| o.split(',').any(|o| o == "ro")), "agent binary writable: {line}");
+            // /tmp and /dev/shm are directories of the sandbox's own writable layer (its
+            // private tmpfs), bound there so that `--disk` is one budget.
+            assert!(["/", "/tmp", "/dev/shm", cordon_gvisor::bundle::AGENT_PATH].contains(&target), "unexpected 9p mount: {line}");
+            assert!(["/", "/tmp", "/dev/shm"].contains(&target) || line.split_whitespace().nth(3).is_some_and(|o| o.split(',').any(|o| o == "ro")), "agent binary writable: {line}");
         }
         assert!(allowed.contains(&fstype), "unexpected mount inside: {line}");
         if fstype == "devtmpfs" && tier != Tier::Vm {

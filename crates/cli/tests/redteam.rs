@@ -9,6 +9,7 @@ mod common;
 #[path = "redteam/budgets.rs"] mod budgets;
 #[path = "redteam/hostside.rs"] mod hostside;
 #[path = "redteam/pid1.rs"] mod pid1;
+#[path = "redteam/fsview.rs"] mod fsview;
 
 use common::*;
 use serde_json::Value;

@@ -22,7 +22,9 @@ pub struct Bundle<'a> {
     pub agent: &'a Path,
     /// Environment of the agent (its link and its configuration).
     pub agent_env: &'a [(String, String)],
-    pub disk_bytes: u64,
+    /// The writable layer's tmpfs on the host (capped at `--disk`), whose `tmp` and `shm`
+    /// subdirectories are bound at /tmp and /dev/shm: one budget for the root, /tmp and /dev/shm.
+    pub disk: &'a Path,
     pub nofile: u64,
     /// Most tasks per user inside the sandbox: gVisor enforces RLIMIT_NPROC in its own kernel,
     /// where the host's pids cgroup sees only gVisor's own threads.
@@ -99,17 +101,18 @@ impl Bundle<'_> {
             ])
             .build()
             .map_err(err)?;
-        let disk = self.disk_bytes;
+        let disk = self.disk.to_str().ok_or_else(|| err("the state directory's path is not UTF-8"))?;
+        let (tmp, shm) = (format!("{disk}/{}", crate::launch::SHARED_TMP), format!("{disk}/{}", crate::launch::SHARED_SHM));
         let agent = self.agent.to_str().ok_or_else(|| err("the cordon binary's path is not UTF-8"))?;
         let mut mounts = vec![
             mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"])?,
             mount("/dev", "tmpfs", "tmpfs", &["nosuid", "mode=755"])?,
             mount("/dev/pts", "devpts", "devpts", &["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"])?,
-            mount("/dev/shm", "tmpfs", "shm", &["nosuid", "noexec", "nodev", "mode=1777", &format!("size={disk}")])?,
+            mount("/dev/shm", "bind", &shm, &["bind", "nosuid", "noexec", "nodev"])?,
             // runsc mounts its own sysfs where the bundle names none: an empty read-only /sys
             // instead, as in the ns tier.
             mount("/sys", "tmpfs", "cordon-sys", &["ro", "nosuid", "nodev", "noexec", "mode=555"])?,
-            mount("/tmp", "tmpfs", "tmpfs", &["nosuid", "nodev", "mode=1777", &format!("size={disk}")])?,
+            mount("/tmp", "bind", &tmp, &["bind", "nosuid", "nodev"])?,
             mount(AGENT_PATH, "bind", agent, &["bind", "ro", "nosuid", "nodev"])?,
         ];
         let mut namespaces = vec![LinuxNamespaceType::Pid, LinuxNamespaceType::Ipc, LinuxNamespaceType::Uts, LinuxNamespaceType::Mount];
@@ -153,7 +156,7 @@ mod tests {
             rootfs: Path::new("/state/gvisor/isbx/rootfs"),
             agent: Path::new("/usr/local/bin/cordon"),
             agent_env: &env,
-            disk_bytes: 1 << 20,
+            disk: Path::new("/state/gvisor/isbx/disk"),
             nofile: 4096,
             nproc: 64,
             resolv_conf: None,
@@ -170,7 +173,9 @@ mod tests {
         let agent = mounts.iter().find(|m| m["destination"] == AGENT_PATH).unwrap();
         assert!(agent["options"].as_array().unwrap().contains(&"ro".into()));
         let tmp = mounts.iter().find(|m| m["destination"] == "/tmp").unwrap();
-        assert!(tmp["options"].as_array().unwrap().contains(&"size=1048576".into()));
+        assert_eq!(tmp["source"], "/state/gvisor/isbx/disk/tmp", "/tmp shares the writable layer's budget");
+        let shm = mounts.iter().find(|m| m["destination"] == "/dev/shm").unwrap();
+        assert_eq!(shm["source"], "/state/gvisor/isbx/disk/shm");
         let caps = v["process"]["capabilities"]["bounding"].as_array().unwrap();
         assert!(!caps.contains(&"CAP_SYS_ADMIN".into()));
         let nss = v["linux"]["namespaces"].as_array().unwrap();
@@ -185,7 +190,7 @@ mod tests {
             rootfs: Path::new("/state/gvisor/isbx/rootfs"),
             agent: Path::new("/usr/local/bin/cordon"),
             agent_env: &[],
-            disk_bytes: 1 << 20,
+            disk: Path::new("/state/gvisor/isbx/disk"),
             nofile: 4096,
             nproc: 64,
             resolv_conf: Some(resolv),

@@ -60,6 +60,11 @@ fn check(r: libc::c_int) -> io::Result<()> {
     }
 }
 
+/// Subdirectories of the writable layer's tmpfs that the bundle binds at /tmp and /dev/shm, so
+/// that `--disk` caps the root, /tmp and /dev/shm together.
+pub const SHARED_TMP: &str = "tmp";
+pub const SHARED_SHM: &str = "shm";
+
 /// Starts `runsc run` with the agent's stdio on two pipes. In the child, before runsc runs: join
 /// the sandbox's cgroups, unshare a mount namespace and mount the root there, and enter the
 /// sandbox's network namespace (a new empty one when it has no egress policy).
@@ -75,6 +80,7 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
     let rootfs = cstr(plan.rootfs)?;
     let upper = cstr(&plan.disk.join("upper"))?;
     let work = cstr(&plan.disk.join("work"))?;
+    let shared = [cstr(&plan.disk.join(SHARED_TMP))?, cstr(&plan.disk.join(SHARED_SHM))?];
     let disk_opts = CString::new(format!("size={},mode=0755", plan.disk_bytes)).expect("no NUL");
     let ovl_opts = cstr(Path::new(&format!(
         "lowerdir={},upperdir={},workdir={}",
@@ -137,6 +143,11 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
             ))?;
             check(libc::mkdir(upper.as_ptr(), 0o755))?;
             check(libc::mkdir(work.as_ptr(), 0o700))?;
+            for d in &shared {
+                check(libc::mkdir(d.as_ptr(), 0o1777))?;
+                // mkdir applies the umask: sticky and world-writable, as /tmp and /dev/shm are.
+                check(libc::chmod(d.as_ptr(), 0o1777))?;
+            }
             check(libc::mount(root_source.as_ptr(), rootfs.as_ptr(), overlay.as_ptr(), 0, ovl_opts.as_ptr().cast()))?;
             Ok(())
         });

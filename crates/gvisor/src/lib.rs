@@ -229,7 +229,7 @@ impl Gvisor {
             rootfs: &rootfs,
             agent: &self.agent,
             agent_env: &agent_env,
-            disk_bytes: cfg.limits.disk_bytes,
+            disk: &disk,
             nofile: cfg.limits.nofile,
             nproc: cfg.limits.pids as u64,
             resolv_conf: netns.as_ref().map(|_| resolv.as_path()),

@@ -5,10 +5,10 @@
 //! Firecracker's jailer does:
 //!
 //! 1. join the sandbox's cgroups (everything forked later inherits them);
-//! 2. create the network namespace, owned by the host's user namespace so that nothing inside
+//! 2. bind the agent's socket on the host side, in the host's network namespace;
+//! 3. create the network namespace, owned by the host's user namespace so that nothing inside
 //!    ever holds CAP_NET_ADMIN over it, and bring loopback up; with an egress policy, also the
 //!    TUN device whose descriptor the host takes (see `tun`);
-//! 3. bind the agent's socket on the host side;
 //! 4. clone the sandbox init into new user, mount, pid, ipc, uts and cgroup namespaces, the
 //!    user namespace created by the range's own host uid (see `run`);
 //! 5. write its uid/gid maps, clone the image as an idmapped read-only tree through that user
@@ -139,16 +139,21 @@ fn run(cfg: &JailerConfig) -> io::Result<Ready> {
     }
 
     mark("cgroups joined");
+    // Bound before the network namespace exists: a Unix socket belongs to the namespace it was
+    // made in, and the sandbox's /proc/net/unix lists its own namespace's sockets with their
+    // paths. Made here, the agent's listener (and every connection accepted on it) stays in the
+    // host's namespace, and no host path shows inside.
+    let _ = fs::remove_file(&cfg.socket);
+    let listener = UnixListener::bind(&cfg.socket)
+        .map_err(|e| io::Error::new(e.kind(), format!("bind agent socket {}: {e}", cfg.socket.display())))?;
+    fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
+
     sys::unshare(libc::CLONE_NEWNET)?;
     sys::loopback_up()?;
     // Close-on-exec: the init inherits it across the clone but drops it at its exec.
     let tun = if cfg.tun { Some(crate::tun::create()?) } else { None };
     mark("netns ready");
 
-    let _ = fs::remove_file(&cfg.socket);
-    let listener = UnixListener::bind(&cfg.socket)
-        .map_err(|e| io::Error::new(e.kind(), format!("bind agent socket {}: {e}", cfg.socket.display())))?;
-    fs::set_permissions(&cfg.socket, fs::Permissions::from_mode(0o600))?;
     // A detached clone of the binary's mount, not the file opened by path: exec'd from it, the
     // agent's /proc/1/exe and maps read `/` instead of the host path of the cordon binary.
     let exe = sys::open_tree_clone(std::path::Path::new("/proc/self/exe"))?;

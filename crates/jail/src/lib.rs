@@ -12,6 +12,7 @@ mod caps;
 pub mod cgroup;
 pub mod jailer;
 mod landlock;
+mod procview;
 mod rootfs;
 mod seccomp;
 mod slots;

@@ -9,7 +9,7 @@ use crate::sys;
 use std::fs;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::{symlink, DirBuilderExt};
+use std::os::unix::fs::{symlink, DirBuilderExt, PermissionsExt};
 use std::path::Path;
 
 /// What the new root is made of.
@@ -18,7 +18,7 @@ pub struct RootPlan<'a> {
     pub staging: &'a Path,
     /// Detached, idmapped, read-only clone of the image tree.
     pub image: OwnedFd,
-    /// Size of the writable layer, which is also the size of `/tmp`.
+    /// Size of the one tmpfs that holds the writable layer, `/tmp` and `/dev/shm` together.
     pub disk_bytes: u64,
     pub hostname: &'a str,
     /// Point the sandbox's resolver at the egress gateway (it has a TUN interface).
@@ -29,6 +29,11 @@ pub struct RootPlan<'a> {
 /// host-wide count (`kernel.pty.max` less `kernel.pty.reserve`, 3072 by default), so each
 /// sandbox's instance has its own maximum: enough terminals for any session, far from the pool.
 const PTYS_MAX: u32 = 64;
+/// Subdirectories of the writable layer's tmpfs bound at `/tmp` and `/dev/shm`.
+const SHARED_TMP: &str = "tmp";
+const SHARED_SHM: &str = "shm";
+/// Subdirectory of the writable layer's tmpfs holding the synthesized /proc files.
+const PROC_VIEW: &str = "proc";
 
 /// Device nodes bound in from the host's `/dev`: the harmless set every container runtime
 /// provides. A user namespace cannot mknod, and these carry no host state.
@@ -49,14 +54,24 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
 
     let st = plan.staging;
     let disk = plan.disk_bytes;
-    // The writable layer is a size-capped tmpfs private to this mount namespace: it holds no
-    // host disk, reaches ENOSPC at the cap, and disappears with the namespace even if no
-    // teardown code ever runs.
+    // One size-capped tmpfs, private to this mount namespace, holds everything the sandbox can
+    // write: the overlay's upper and work dirs, `/tmp` and `/dev/shm` (bound from subdirectories
+    // of it), so `--disk` is one budget for all three, as the flag says. It holds no host disk,
+    // reaches ENOSPC at the cap, and disappears with the namespace even if no teardown code ever
+    // runs.
     sys::mount("cordon-rw", st, "tmpfs", libc::MS_NOATIME, Some(&format!("size={disk},mode=0755")))?;
     let (upper, work, lower, root) = (st.join("upper"), st.join("work"), st.join("lower"), st.join("root"));
     for d in [&upper, &work, &lower, &root] {
         mkdir(d, 0o755)?;
     }
+    for d in [st.join(SHARED_TMP), st.join(SHARED_SHM), st.join(PROC_VIEW)] {
+        mkdir(&d, 0o755)?;
+    }
+    // mkdir applies the umask; the sticky, world-writable mode is set explicitly.
+    for d in [SHARED_TMP, SHARED_SHM] {
+        fs::set_permissions(st.join(d), fs::Permissions::from_mode(0o1777))?;
+    }
+    crate::procview::write_files(&st.join(PROC_VIEW))?;
     sys::move_mount_to(&plan.image, &lower)?;
     drop(plan.image);
     // Relative layer paths (resolved against the staging dir) keep host paths out of the
@@ -79,6 +94,7 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
     sys::mount("proc", Path::new("proc"), "proc", nosuid_nodev_noexec, None)?;
     zero_nested_namespace_counts()?;
     mask_proc()?;
+    crate::procview::bind_over_proc(&st.join(PROC_VIEW))?;
 
     sys::mount("cordon-dev", Path::new("dev"), "tmpfs", libc::MS_NOSUID | libc::MS_NOEXEC, Some("mode=0755,size=64k,nr_inodes=64"))?;
     for dev in DEVICES {
@@ -95,7 +111,7 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
         Some(&format!("newinstance,ptmxmode=0666,mode=0620,max={PTYS_MAX}")),
     )?;
     mkdir(Path::new("dev/shm"), 0o1777)?;
-    sys::mount("shm", Path::new("dev/shm"), "tmpfs", nosuid_nodev_noexec, Some(&format!("mode=1777,size={disk}")))?;
+    sys::bind_with(&st.join(SHARED_SHM), Path::new("dev/shm"), nosuid_nodev_noexec)?;
     for (link, target) in [
         ("dev/ptmx", "pts/ptmx"),
         ("dev/fd", "/proc/self/fd"),
@@ -105,7 +121,7 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
     ] {
         symlink(target, link).map_err(|e| io::Error::new(e.kind(), format!("symlink {link}: {e}")))?;
     }
-    sys::mount("tmp", Path::new("tmp"), "tmpfs", libc::MS_NOSUID | libc::MS_NODEV, Some(&format!("mode=1777,size={disk}")))?;
+    sys::bind_with(&st.join(SHARED_TMP), Path::new("tmp"), libc::MS_NOSUID | libc::MS_NODEV)?;
 
     sys::sethostname(plan.hostname)?;
     sys::pivot_to_cwd()?;
@@ -147,9 +163,13 @@ fn zero_nested_namespace_counts() -> io::Result<()> {
 }
 
 /// Files of /proc that expose host kernel state, hidden behind /dev/null (Docker's list).
-const MASKED_FILES: [&str; 6] = ["kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug"];
-/// Directories of /proc covered by an empty read-only tmpfs.
-const MASKED_DIRS: [&str; 3] = ["acpi", "asound", "scsi"];
+/// `config.gz`, `diskstats` and `partitions` describe the host's build and block devices, which
+/// nothing in a sandbox has (see `procview`).
+const MASKED_FILES: [&str; 9] =
+    ["kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug", "config.gz", "diskstats", "partitions"];
+/// Directories of /proc covered by an empty read-only tmpfs. `pressure` holds the host's PSI
+/// figures; without them the sandbox looks like a kernel built without PSI.
+const MASKED_DIRS: [&str; 4] = ["acpi", "asound", "scsi", "pressure"];
 /// Host-wide knobs that stay readable but not writable.
 const READ_ONLY: [&str; 5] = ["bus", "fs", "irq", "sys", "sysrq-trigger"];
 

@@ -87,6 +87,18 @@ pub fn bind(src: &Path, target: &Path) -> io::Result<()> {
     check(r as _, &format!("bind {} on {}", src.display(), target.display())).map(drop)
 }
 
+/// Binds `src` on `target`, then remounts the bind with `flags` (a bind mount takes its
+/// nosuid/nodev/noexec/rdonly flags only on a remount).
+pub fn bind_with(src: &Path, target: &Path, flags: libc::c_ulong) -> io::Result<()> {
+    bind(src, target)?;
+    let t = cpath(target)?;
+    // SAFETY: valid string; a remount of a bind takes only the target and the flags.
+    let r = unsafe {
+        libc::mount(std::ptr::null(), t.as_ptr(), std::ptr::null(), libc::MS_BIND | libc::MS_REMOUNT | flags, std::ptr::null())
+    };
+    check(r as _, &format!("remount {} with flags {flags:#x}", target.display())).map(drop)
+}
+
 pub fn make_private_recursive(target: &str) -> io::Result<()> {
     let t = CString::new(target).unwrap_or_default();
     // SAFETY: changing propagation needs only the target path.
