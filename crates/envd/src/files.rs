@@ -68,7 +68,7 @@ impl FilesQuery {
         let mut seen: Vec<String> = Vec::new();
         for part in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (k, v) = part.split_once('=').unwrap_or((part, ""));
-            let (key, value) = (form_decode(k), form_decode(v));
+            let (key, value) = (percent_decode(k, true), percent_decode(v, true));
             if seen.contains(&key) {
                 return Err(DuplicateParameter(key));
             }
@@ -110,9 +110,10 @@ impl FilesQuery {
     }
 }
 
-/// Decodes `%XX` escapes and `+` (a space). Invalid escapes are kept as they are; invalid
-/// UTF-8 is replaced, since every value is used as text.
-pub fn form_decode(s: &str) -> String {
+/// Decodes `%XX` escapes (and `+` as a space when `plus_is_space`, as in a form query). Invalid
+/// escapes are kept as they are; invalid UTF-8 is replaced, since every value is used as text.
+/// The one decoder of query strings: the server's control-plane queries use it too.
+pub fn percent_decode(s: &str, plus_is_space: bool) -> String {
     fn hex(c: u8) -> Option<u8> {
         match c {
             b'0'..=b'9' => Some(c - b'0'),
@@ -134,7 +135,7 @@ pub fn form_decode(s: &str) -> String {
                 }
                 _ => out.push(b'%'),
             },
-            b'+' => out.push(b' '),
+            b'+' if plus_is_space => out.push(b' '),
             c => out.push(c),
         }
         i += 1;
@@ -207,11 +208,11 @@ mod tests {
 
     #[test]
     fn decoding_keeps_bad_escapes() {
-        assert_eq!(form_decode("a%20b%2Fc"), "a b/c");
-        assert_eq!(form_decode("100%"), "100%");
-        assert_eq!(form_decode("%zz%4"), "%zz%4");
-        assert_eq!(form_decode("%41"), "A");
-        assert_eq!(form_decode("%4"), "%4");
-        assert_eq!(form_decode("x%41"), "xA");
+        assert_eq!(percent_decode("a%20b%2Fc", true), "a b/c");
+        assert_eq!(percent_decode("100%", true), "100%");
+        assert_eq!(percent_decode("%zz%4", true), "%zz%4");
+        assert_eq!(percent_decode("%41", true), "A");
+        assert_eq!(percent_decode("%4", true), "%4");
+        assert_eq!(percent_decode("x%41", true), "xA");
     }
 }

@@ -11,7 +11,7 @@
 
 use crate::sys;
 use std::fs;
-use std::io::{self, Read};
+use std::io;
 use std::path::Path;
 
 /// Files of the sandbox's /proc (relative to its new root) replaced by a synthesized one.
@@ -56,7 +56,7 @@ pub(crate) fn bind_over_proc(dir: &Path) -> io::Result<()> {
 /// A random version-4 UUID in the kernel's `boot_id` format.
 fn random_uuid() -> io::Result<String> {
     let mut b = [0u8; 16];
-    fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    getrandom::fill(&mut b).map_err(|e| io::Error::other(e.to_string()))?;
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
     let h: String = b.iter().map(|x| format!("{x:02x}")).collect();

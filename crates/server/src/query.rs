@@ -1,47 +1,7 @@
 //! Query strings of the control plane: percent-decoding and the parameters the API reads.
 //! (`/files` has its own strict parser, `cordon_envd::files::FilesQuery`, shared with the agent.)
 
-/// Decodes `%XX` escapes (and `+` as a space when `plus_is_space`). Invalid escapes are kept
-/// as they are; invalid UTF-8 is replaced, since every value here is compared as text.
-pub fn percent_decode(s: &str, plus_is_space: bool) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' if i + 2 < b.len() => {
-                match (hex(b[i + 1]), hex(b[i + 2])) {
-                    (Some(h), Some(l)) => {
-                        out.push(h << 4 | l);
-                        i += 3;
-                    }
-                    _ => {
-                        out.push(b'%');
-                        i += 1;
-                    }
-                }
-            }
-            b'+' if plus_is_space => {
-                out.push(b' ');
-                i += 1;
-            }
-            c => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-fn hex(c: u8) -> Option<u8> {
-    match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    }
-}
+pub use cordon_envd::files::percent_decode;
 
 /// The decoded `(key, value)` pairs of a query string, in order.
 pub fn pairs(query: Option<&str>) -> Vec<(String, String)> {
