@@ -116,6 +116,13 @@ fn setup() -> Internet {
     ip(&["-n", &ns, "-6", "addr", "add", &format!("{WEB_V6}/64"), "dev", &ns_if, "nodad"]);
     ip(&["-n", &ns, "link", "set", "lo", "up"]);
     ip(&["-n", &ns, "link", "set", &ns_if, "up"]);
+    // Every test address must route into this namespace's veth, never out of the host's own
+    // interfaces: checked with `ip route get` before any test uses it.
+    for a in [WEB_V4, OTHER_V4, WILD_V4, NET2_V4, WEB_V6] {
+        let out = Command::new("ip").args(["route", "get", a]).output().expect("ip route get");
+        let route = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && route.contains(&format!("dev {host_if}")), "test address {a} does not route into the test internet: {route}");
+    }
 
     let cert = Command::new("openssl")
         .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"])
