@@ -305,7 +305,7 @@ impl ChildSetup {
                 Ok(())
             }
         }
-        // SAFETY (all calls below): plain syscalls on integers and on pointers to data owned by
+        // SAFETY: (all calls below) plain syscalls on integers and on pointers to data owned by
         // `self`, which outlives the call; none of them allocates or takes locks.
         unsafe {
             // Own session and process group: job-control signals from a terminal or a group

@@ -46,7 +46,7 @@ pub fn main(state: &State, cmd: ImageCmd) -> Result<()> {
     let store = state.images()?;
     match cmd {
         ImageCmd::Build { name, rebuild, mirror } => {
-            build(&store, &name, &BuildOptions { rebuild, mirror, ..Default::default() })?;
+            build(&store, &name, &BuildOptions { rebuild, mirror })?;
         }
         ImageCmd::Import { name, tarball } => {
             if !tarball.is_file() {

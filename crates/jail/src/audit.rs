@@ -84,9 +84,12 @@ const NOTIF_RECV: libc::c_ulong = 0xc050_2100;
 const NOTIF_SEND: libc::c_ulong = 0xc018_2101;
 
 /// Records of one sandbox, filled by its supervisor thread.
+/// Per syscall number: how often it was refused, and the first pids that asked.
+type Counts = BTreeMap<i32, (u64, Vec<u32>)>;
+
 #[derive(Clone, Default)]
 pub struct Trail {
-    inner: Arc<Mutex<BTreeMap<i32, (u64, Vec<u32>)>>>,
+    inner: Arc<Mutex<Counts>>,
 }
 
 impl Trail {

@@ -92,9 +92,9 @@ mod tests {
                 0 => nr,
                 4 => arch,
                 8 | 12 => 0,
-                16..=63 if off % 4 == 0 => {
+                16..=63 if off.is_multiple_of(4) => {
                     let a = args[(off as usize - 16) / 8];
-                    if off % 8 == 0 { a as u32 } else { (a >> 32) as u32 }
+                    if off.is_multiple_of(8) { a as u32 } else { (a >> 32) as u32 }
                 }
                 _ => panic!("load from seccomp_data offset {off}"),
             }
@@ -169,7 +169,7 @@ mod tests {
         prog.iter().map(|&(c, jt, jf, k)| (c, jt, jf, if c == 0x06 && k == RET_ERRNO_EPERM { RET_USER_NOTIF } else { k })).collect()
     }
 
-    fn with_overrides<'a>(allow: &'a Prog) -> Vec<&'a Prog> {
+    fn with_overrides(allow: &Prog) -> Vec<&Prog> {
         std::iter::once(allow).chain(reference::OVERRIDES.iter().copied()).collect()
     }
 

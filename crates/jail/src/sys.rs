@@ -436,8 +436,8 @@ pub fn recv_fd(sock: &OwnedFd) -> io::Result<Option<OwnedFd>> {
 
 pub fn socketpair() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as RawFd; 2];
-    // SAFETY: fds is a 2-element output array.
     check(
+        // SAFETY: fds is a 2-element output array.
         unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) } as _,
         "socketpair",
     )?;

@@ -21,9 +21,12 @@ pub struct Blocked {
 /// sandbox cannot grow the host's memory.
 const MAX_ENTRIES: usize = 4096;
 
+/// What identifies one kind of refusal, so repeats count instead of adding an entry.
+type Key = (String, String, Option<String>, String);
+
 #[derive(Default)]
 pub struct AuditLog {
-    entries: Mutex<(Vec<Blocked>, HashMap<(String, String, Option<String>, String), usize>)>,
+    entries: Mutex<(Vec<Blocked>, HashMap<Key, usize>)>,
 }
 
 impl AuditLog {

@@ -107,7 +107,7 @@ pub struct NetRule {
 
 impl NetRule {
     fn port_ok(&self, port: u16) -> bool {
-        self.ports.map_or(true, |(lo, hi)| (lo..=hi).contains(&port))
+        self.ports.is_none_or(|(lo, hi)| (lo..=hi).contains(&port))
     }
 
     /// How specific a match by this rule is; larger is more specific.

@@ -52,7 +52,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, SpecError> {
         "h" => value * 3600.0,
         _ => return Err(bad()),
     };
-    if !secs.is_finite() || secs < 0.0 || secs > 1e9 {
+    if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
         return Err(bad());
     }
     Ok(Duration::from_secs_f64(secs))

@@ -218,7 +218,7 @@ fn load_modules(cmdline: &str) -> Result<(), String> {
     // Without a PCI bus (microvm boots with `pci=off`) the PCI transport has nothing to drive;
     // the kit carries it for VMMs that use it.
     let no_pci = cmdline.split_whitespace().any(|a| a == "pci=off");
-    for name in order.lines().filter(|l| !l.is_empty() && !(no_pci && l.starts_with("virtio_pci"))) {
+    for name in order.lines().filter(|l| !l.is_empty() && (!no_pci || !l.starts_with("virtio_pci"))) {
         let path = format!("/lib/modules/{name}.ko");
         let params: Vec<&str> = cmdline
             .split_whitespace()

@@ -136,7 +136,7 @@ impl Plan {
     fn enter(&self) -> io::Result<()> {
         let err = io::Error::last_os_error;
         let ok = |r: libc::c_int| if r < 0 { Err(err()) } else { Ok(()) };
-        // SAFETY (whole block): plain system calls on valid NUL-terminated strings and open
+        // SAFETY: (whole block) plain system calls on valid NUL-terminated strings and open
         // descriptors owned by this (child) process.
         unsafe {
             for &fd in &self.cgroup_procs {

@@ -64,7 +64,7 @@ fn run(cmd: &mut Command, what: &str) -> Result<String, VmError> {
     })?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        let last = err.lines().filter(|l| !l.trim().is_empty()).last().unwrap_or("").trim().to_string();
+        let last = err.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("").trim().to_string();
         return Err(VmError::Kit(format!("{what} failed ({}): {last}", out.status)));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())

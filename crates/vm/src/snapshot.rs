@@ -72,7 +72,7 @@ pub fn prune(snapshots: &Path) {
         .filter(|e| !e.file_name().to_string_lossy().starts_with('.') && e.path().is_dir())
         .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
         .collect();
-    dirs.sort_by(|a, b| b.0.cmp(&a.0));
+    dirs.sort_by_key(|d| std::cmp::Reverse(d.0));
     for (_, d) in dirs.into_iter().skip(KEEP) {
         tracing::debug!(snapshot = %d.display(), "removing a snapshot not used lately");
         let _ = fs::remove_dir_all(&d);

@@ -219,7 +219,7 @@ fn look_at_pid1(cordon_pid: u32) -> Option<Pid1OnHost> {
 fn sandbox_root_can_neither_write_pid1_nor_reach_the_operator_terminal(t: Tier) {
     let flags = t.flags(&["--user", "root", "--timeout", "40s"]);
     let (screen, before, after, code, host) =
-        run_on_a_terminal(&flags, &["python3", "-c", INJECT, MARK], "\"tty_nr\"", |pid| look_at_pid1(pid));
+        run_on_a_terminal(&flags, &["python3", "-c", INJECT, MARK], "\"tty_nr\"", look_at_pid1);
     eprintln!("terminal: {screen:?}\nexit {code}, host view of PID 1: {host:?}");
     // The harm, measured where it would be: the operator's terminal.
     assert!(!screen.contains(MARK), "code injected into PID 1 printed on the operator's terminal: {screen:?}");
