@@ -287,8 +287,6 @@ pub fn main(state: &State) -> Result<u8> {
             (true, false) => "NOT available (see runsc above)",
         }
     );
-    println!("tier vm      not available: no vm backend in this build");
-    println!("tier gvisor  not available: no gvisor backend in this build");
     match checks.iter().find(|c| c.name == "vm tier") {
         Some(c) if c.status == Status::Ok => println!("tier vm      available: {}", c.detail),
         Some(c) => println!("tier vm      NOT available: {}", c.detail),

@@ -322,3 +322,36 @@ fn doctor_reports_every_feature() {
         }
     }
 }
+
+/// The lines of doctor's closing tier summary.
+fn tier_lines(text: &str) -> Vec<String> {
+    text.lines().filter(|l| l.starts_with("tier ")).map(str::to_string).collect()
+}
+
+#[test]
+fn doctor_prints_each_tier_once() {
+    if !is_root() {
+        return skip("doctor tier lines: needs root");
+    }
+    let out = cordon().arg("doctor").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines = tier_lines(&text);
+    let names: Vec<&str> = lines.iter().map(|l| l.split_whitespace().nth(1).unwrap_or("")).collect();
+    assert_eq!(names, ["ns", "gvisor", "vm"], "one line per tier, in order:\n{text}");
+    assert_eq!(lines[0], "tier ns      available", "{text}");
+    if Tier::Gvisor.unavailable().is_none() {
+        assert_eq!(lines[1], "tier gvisor  available", "{text}");
+    }
+    if Tier::Vm.unavailable().is_none() {
+        assert!(lines[2].starts_with("tier vm      available: "), "{text}");
+    }
+
+    // Without its VMM the vm tier is named once, unavailable, with the reason.
+    let out = cordon().arg("doctor").env("CORDON_QEMU", "/nonexistent").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let vm: Vec<String> = tier_lines(&text).into_iter().filter(|l| l.starts_with("tier vm")).collect();
+    assert_eq!(vm.len(), 1, "{text}");
+    let reason = vm[0].strip_prefix("tier vm      NOT available: ").unwrap_or_else(|| panic!("vm not reported unavailable:\n{text}"));
+    assert!(reason.contains("/nonexistent"), "the reason names the missing VMM: {reason}");
+    assert_eq!(tier_lines(&text).len(), 3, "{text}");
+}
