@@ -75,6 +75,47 @@ fn zone() -> String {
     .to_string()
 }
 
+const TEST_ADDRS: [&str; 6] = [HOST_V4, WEB_V4, OTHER_V4, WILD_V4, NET2_V4, WEB_V6];
+
+/// The device `ip route get` names for an address ("" when it has no route).
+fn route_dev(addr: &str) -> String {
+    let out = Command::new("ip").args(["route", "get", addr]).output().expect("ip route get");
+    let route = String::from_utf8_lossy(&out.stdout);
+    let mut words = route.split_whitespace();
+    while let Some(w) = words.next() {
+        if w == "dev" {
+            return words.next().unwrap_or("").to_string();
+        }
+    }
+    String::new()
+}
+
+/// The addresses the host reaches for its resolver and the package registries the suite
+/// installs from, each with the device it routes through now.
+fn host_services() -> Vec<(String, String, String)> {
+    let mut found = Vec::new();
+    let resolv = fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+    for l in resolv.lines() {
+        if let Some(a) = l.strip_prefix("nameserver") {
+            found.push(("the resolver".to_string(), a.trim().to_string()));
+        }
+    }
+    for name in ["deb.debian.org", "pypi.org", "files.pythonhosted.org", "registry.npmjs.org", "index.crates.io"] {
+        if let Ok(o) = Command::new("getent").args(["ahostsv4", name]).output() {
+            if let Some(a) = String::from_utf8_lossy(&o.stdout).split_whitespace().next() {
+                found.push((name.to_string(), a.to_string()));
+            }
+        }
+    }
+    found
+        .into_iter()
+        .map(|(name, addr)| {
+            let dev = route_dev(&addr);
+            (name, addr, dev)
+        })
+        .collect()
+}
+
 /// The shared test internet, set up on first use.
 pub fn internet() -> &'static Internet {
     NET.get_or_init(setup)
@@ -102,13 +143,25 @@ fn setup() -> Internet {
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir).unwrap();
 
+    // The host may reach real services on TEST-NET addresses (a package mirror behind a proxy
+    // address, say): the host side claims only the exact addresses the tests use, never a whole
+    // range, and the routes to the hosts the suite itself needs must be the same afterwards.
+    let needed = host_services();
+    for (name, addr, _) in &needed {
+        assert!(!TEST_ADDRS.contains(&addr.as_str()), "{name} resolves to {addr}, a test internet address: pick other test addresses");
+    }
+
     ip(&["netns", "add", &ns]);
     ip(&["link", "add", &host_if, "type", "veth", "peer", "name", &ns_if]);
     ip(&["link", "set", &ns_if, "netns", &ns]);
-    ip(&["addr", "add", &format!("{HOST_V4}/24"), "dev", &host_if]);
-    ip(&["-6", "addr", "add", "2001:db8:100::1/64", "dev", &host_if, "nodad"]);
+    ip(&["addr", "add", &format!("{HOST_V4}/32"), "dev", &host_if]);
+    ip(&["-6", "addr", "add", "2001:db8:100::1/128", "dev", &host_if, "nodad"]);
     ip(&["link", "set", &host_if, "up"]);
-    ip(&["route", "add", "203.0.113.0/24", "via", WEB_V4, "dev", &host_if]);
+    for a in [WEB_V4, OTHER_V4, WILD_V4] {
+        ip(&["route", "add", &format!("{a}/32"), "dev", &host_if]);
+    }
+    ip(&["route", "add", &format!("{NET2_V4}/32"), "via", WEB_V4, "dev", &host_if]);
+    ip(&["-6", "route", "add", &format!("{WEB_V6}/128"), "dev", &host_if]);
     for a in [WEB_V4, OTHER_V4, WILD_V4] {
         ip(&["-n", &ns, "addr", "add", &format!("{a}/24"), "dev", &ns_if]);
     }
@@ -122,6 +175,9 @@ fn setup() -> Internet {
         let out = Command::new("ip").args(["route", "get", a]).output().expect("ip route get");
         let route = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success() && route.contains(&format!("dev {host_if}")), "test address {a} does not route into the test internet: {route}");
+    }
+    for (name, addr, dev) in &needed {
+        assert_eq!(&route_dev(addr), dev, "the test internet changed the host's route to {name} ({addr})");
     }
 
     let cert = Command::new("openssl")
