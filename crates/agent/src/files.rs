@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 
 use crate::as_user::as_user;
 use crate::filesystem::create_dirs;
-use crate::http::{json, Body};
+use crate::body::{json, Body};
 use crate::users::{parse_basic_auth, resolve_path, User};
 use crate::{xattr, Agent};
 

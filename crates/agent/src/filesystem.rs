@@ -20,7 +20,7 @@ use cordon_envd::Timestamp;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 
-use crate::http::Body;
+use crate::body::Body;
 use crate::rpc::{self, CallCtx};
 use crate::users::{resolve_path, User, UserDb};
 use crate::{watch, xattr, Agent};

@@ -13,7 +13,7 @@ use hyper::header::{CONNECTION, UPGRADE};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 
-use crate::http::{json, Body};
+use crate::body::{json, Body};
 
 /// Path prefix of the forwarding endpoint.
 pub(crate) const PREFIX: &str = "/__cordon/forward/";

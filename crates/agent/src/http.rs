@@ -2,90 +2,20 @@
 //! paths.
 
 use std::convert::Infallible;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use cordon_envd::connect::{Code, ConnectError};
-use http_body_util::{BodyExt, Limited};
-use hyper::body::{Frame, Incoming, SizeHint};
-use hyper::header::{ALLOW, CONTENT_TYPE};
+use hyper::body::Incoming;
+use hyper::header::ALLOW;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixListener;
-use tokio::sync::mpsc;
 
-use crate::{files, filesystem, forward, process_service, rpc, Agent};
-
-/// Response bodies: a complete buffer, or a stream of chunks from a task.
-pub(crate) enum Body {
-    Full(Option<Bytes>),
-    Channel(mpsc::Receiver<Bytes>),
-}
-
-impl Body {
-    pub fn full(b: impl Into<Bytes>) -> Body {
-        Body::Full(Some(b.into()))
-    }
-
-    pub fn empty() -> Body {
-        Body::Full(None)
-    }
-
-    pub fn channel(rx: mpsc::Receiver<Bytes>) -> Body {
-        Body::Channel(rx)
-    }
-}
-
-impl hyper::body::Body for Body {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        match self.get_mut() {
-            Body::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            Body::Channel(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        matches!(self, Body::Full(None))
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            Body::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
-            Body::Full(None) => SizeHint::with_exact(0),
-            Body::Channel(_) => SizeHint::default(),
-        }
-    }
-}
-
-/// Reads a whole request body, refusing more than `limit` bytes.
-pub(crate) async fn read_limited(body: Incoming, limit: usize) -> Result<Bytes, ConnectError> {
-    match Limited::new(body, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ConnectError::new(
-            Code::ResourceExhausted,
-            format!("request body exceeds the limit of {limit} bytes"),
-        )),
-        Err(e) => Err(ConnectError::new(Code::Canceled, format!("error reading the request body: {e}"))),
-    }
-}
-
-/// A JSON response.
-pub(crate) fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Body> {
-    let body = serde_json::to_vec(value).unwrap_or_else(|_| b"null".to_vec());
-    Response::builder()
-        .status(status)
-        .header(CONTENT_TYPE, "application/json")
-        .body(Body::full(body))
-        .unwrap_or_else(|_| Response::new(Body::empty()))
-}
+use crate::body::{json, Body};
+use crate::{files, filesystem, forward, process_rpc, rpc, Agent};
 
 fn method_not_allowed(allow: &'static str) -> Response<Body> {
     let e = ConnectError::new(Code::Unimplemented, format!("method not allowed; use {allow}"));
@@ -175,7 +105,7 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
                 return not_found(&path);
             };
             let known = match service {
-                cordon_envd::process::SERVICE => process_service::is_method(method),
+                cordon_envd::process::SERVICE => process_rpc::is_method(method),
                 cordon_envd::filesystem::SERVICE => filesystem::is_method(method),
                 _ => return not_found(&path),
             };
@@ -190,7 +120,7 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
             }
             let method = method.to_string();
             match service {
-                cordon_envd::process::SERVICE => process_service::dispatch(agent, &method, req).await,
+                cordon_envd::process::SERVICE => process_rpc::dispatch(agent, &method, req).await,
                 _ => filesystem::dispatch(agent, &method, req).await,
             }
         }

@@ -20,6 +20,7 @@ use cordon_envd::connect::ConnectError;
 use serde::{Deserialize, Serialize};
 
 mod as_user;
+mod body;
 mod command_scope;
 mod fdio;
 mod files;
@@ -27,7 +28,7 @@ mod filesystem;
 mod forward;
 mod http;
 mod process;
-mod process_service;
+mod process_rpc;
 mod pty;
 mod reaper;
 mod rpc;

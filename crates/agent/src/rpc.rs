@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::http::{read_limited, Body};
+use crate::body::{read_limited, Body};
 use crate::users::parse_basic_auth;
 
 /// Largest request message accepted (SendInput chunks are the big ones).

@@ -241,13 +241,13 @@ fn vm_checks(state: &State) -> Vec<Check> {
     };
     out.push(ok("vmm", format!("{} ({})", tier.vmm().binary().display(), tier.vmm().name())));
     let kdir = tier.vm_dir().join("kernel");
-    let Some(kernel) = cordon_vm::kit::current_kernel(&kdir) else {
+    let Some(kernel) = cordon_vm::guest_kit::current_kernel(&kdir) else {
         out.push(ok("vm tier", "guest kit not built yet (built on the first `cordon run --tier vm`); KVM or TCG is decided then"));
         return out;
     };
     out.push(ok("guest kernel", format!("{kernel} in {}", kdir.display())));
     // The probe needs the kit (initramfs); building it is cheap once the kernel is cached.
-    let accel = cordon_vm::kit::ensure(tier.vm_dir(), Path::new("/proc/self/exe"), &mut cordon_image::NoProgress)
+    let accel = cordon_vm::guest_kit::ensure(tier.vm_dir(), Path::new("/proc/self/exe"), &mut cordon_image::NoProgress)
         .and_then(|kit| cordon_vm::accel::choose(tier.vm_dir(), tier.vmm(), &kit));
     out.push(match accel {
         Ok(v) => ok("vm tier", format!("{} ({})", v.accel.as_str(), v.reason)),

@@ -115,3 +115,31 @@ pub fn build(store: &Store, name: &str, opts: &BuildOptions) -> Result<cordon_im
         }
     }
 }
+
+/// The image `spec` names, built now (with a bar) if it is a recipe not built yet, then
+/// whatever the tier makes for its first sandbox of it (a VM's kit and disk), with a bar only
+/// when something has to be made. `announce` names the command for a line before a build.
+pub fn ensure(state: &State, backend: &dyn cordon_sandbox::Backend, spec: &cordon_spec::SandboxSpec, announce: Option<&str>) -> Result<()> {
+    let store = state.images()?;
+    let image = match cordon_sandbox::image::lookup(&store, &spec.image).map_err(image_error)? {
+        cordon_sandbox::image::Lookup::Ready(img) => *img,
+        cordon_sandbox::image::Lookup::Build => {
+            if let Some(who) = announce {
+                eprintln!("cordon {who}: building the image `{}` first (about a minute, once)", spec.image);
+            }
+            build(&store, &spec.image, &Default::default())?
+        }
+    };
+    let mut progress = crate::progress::Lazy::new("vm");
+    let r = backend.prepare(spec, &image, &mut progress);
+    match (&r, progress.bar()) {
+        (Ok(Some(summary)), Some(bar)) => bar.finish(summary),
+        (Err(_), Some(bar)) => bar.abandon(),
+        _ => {}
+    }
+    r.map_err(|e| match e {
+        cordon_sandbox::Error::Unavailable(m) | cordon_sandbox::Error::BadRequest(m) => crate::usage(m),
+        e => e.into(),
+    })?;
+    Ok(())
+}

@@ -14,6 +14,7 @@ mod progress;
 mod run;
 mod serve;
 mod state;
+mod tiers;
 mod vm;
 
 use clap::{Parser, Subcommand};

@@ -5,7 +5,7 @@ use crate::state::State;
 use crate::usage;
 use anyhow::Result;
 use clap::Args;
-use cordon_spec::{parse_duration, parse_size, Tier};
+use cordon_spec::{parse_duration, parse_size};
 use std::net::SocketAddr;
 
 #[derive(Args, Debug)]
@@ -89,7 +89,7 @@ pub fn main(state: &State, a: McpArgs) -> Result<u8> {
             addr.port()
         )));
     }
-    cordon_server::backend::check_network_tier(cfg.tier, &cfg.network).map_err(|e| usage(e.to_string()))?;
+    crate::tiers::capabilities(cfg.tier).check_network(cfg.tier, &cfg.network).map_err(|e| usage(e.to_string()))?;
     let dns_upstream = match &a.dns_upstream {
         Some(u) => Some(cordon_net::parse_upstream(u).map_err(|e| usage(format!("--dns-upstream: {e}")))?),
         None => None,
@@ -98,26 +98,14 @@ pub fn main(state: &State, a: McpArgs) -> Result<u8> {
     if unsafe { libc::geteuid() } != 0 {
         return Err(usage("cordon mcp needs root (sandboxes need cgroups and idmapped mounts): run it as root"));
     }
-    // Checked (and built, for a known recipe) before the client's first call: a missing image is
-    // the operator's problem to hear about now, not the model's later.
-    let store = state.images()?;
-    match store.get(&cfg.image) {
-        Ok(img) if !store.is_stale(&img) => {}
-        Ok(_) | Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&cfg.image.as_str()) => {
-            eprintln!("cordon mcp: building the image `{}` first (about a minute, once)", cfg.image);
-            crate::image_cmd::build(&store, &cfg.image, &Default::default())?;
-        }
-        Ok(_) => {} // only a recipe's image can be stale
-        Err(e) => return Err(crate::image_cmd::image_error(e)),
-    }
-
     cordon_jail::become_subreaper();
     // Opening the tier reaps whatever a crashed cordon left behind, and refuses a tier this
     // host cannot run.
     let backend = state.backend(cfg.tier, dns_upstream)?;
-    if cfg.tier == Tier::Vm {
-        crate::vm::prepare(state, &store, &cfg.image)?;
-    }
+    // Checked (and built, for a known recipe) before the client's first call: a missing image is
+    // the operator's problem to hear about now, not the model's later.
+    let spec = cordon_spec::SandboxSpec { tier: cfg.tier, image: cfg.image.clone(), ..Default::default() };
+    crate::image_cmd::ensure(state, backend.as_ref(), &spec, Some("mcp"))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         match a.http {

@@ -47,3 +47,34 @@ impl cordon_image::Progress for Bar {
         self.bar.set_message(t);
     }
 }
+
+/// A [`Bar`] shown only once something reports a stage: a step that is usually cached (a VM's
+/// kit and disk) stays silent when it is.
+pub struct Lazy {
+    title: &'static str,
+    bar: Option<Bar>,
+}
+
+impl Lazy {
+    pub fn new(title: &'static str) -> Lazy {
+        Lazy { title, bar: None }
+    }
+
+    /// The bar, if anything was shown.
+    pub fn bar(&self) -> Option<&Bar> {
+        self.bar.as_ref()
+    }
+}
+
+impl cordon_image::Progress for Lazy {
+    fn stage(&mut self, index: usize, total: usize, name: &str) {
+        let title = self.title;
+        self.bar.get_or_insert_with(|| Bar::new(title)).stage(index, total, name);
+    }
+
+    fn line(&mut self, text: &str) {
+        if let Some(b) = &mut self.bar {
+            b.line(text);
+        }
+    }
+}

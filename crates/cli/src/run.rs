@@ -4,8 +4,8 @@ use crate::state::State;
 use crate::usage;
 use anyhow::Result;
 use clap::Args;
-use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, NetworkPolicy, SandboxSpec, Tier};
-use cordon_server::backend::{BackendError, CreateSpec, Instance};
+use cordon_sandbox::{Error as BackendError, Sandbox, SandboxSpec};
+use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, NetworkPolicy, Tier};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -117,6 +117,7 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
     let network = NetworkPolicy::parse(&a.allow_net, &a.deny_net).map_err(|e| bad(e, "allow-net"))?;
     let env = a.env.iter().map(|e| parse_env(e)).collect::<Result<Vec<_>, _>>().map_err(|e| bad(e, "env"))?;
     let spec = SandboxSpec {
+        id: cordon_sandbox::new_id(),
         image: a.image.clone(),
         tier,
         limits,
@@ -125,6 +126,8 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         user: a.user.clone(),
         allow_ptrace: a.allow_ptrace,
         network,
+        // Always recorded; `--audit` decides whether it is printed.
+        audit: true,
     };
     spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
     Ok(spec)
@@ -155,7 +158,8 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
         None => None,
     };
     let copies = a.copy.iter().map(|c| parse_copy(c)).collect::<Result<Vec<_>>>()?;
-    cordon_server::backend::check_network_tier(spec.tier, &spec.network).map_err(|e| usage(e.to_string()))?;
+    let caps = crate::tiers::capabilities(spec.tier);
+    caps.check_network(spec.tier, &spec.network).map_err(|e| usage(e.to_string()))?;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Err(usage(format!(
@@ -167,28 +171,9 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     // A tier the host cannot run is refused here, before any image is built; never a fallback.
     let backend = state.backend(spec.tier, dns_upstream)?;
 
-    let store = state.images()?;
-    match store.get(&spec.image) {
-        Ok(img) if !store.is_stale(&img) => {}
-        Ok(_) | Err(cordon_image::ImageError::NotFound { .. }) if cordon_image::recipes().contains(&spec.image.as_str()) => {
-            crate::image_cmd::build(&store, &spec.image, &Default::default())?;
-        }
-        Ok(_) => {} // only a recipe's image can be stale
-        Err(e) => return Err(crate::image_cmd::image_error(e)),
-    };
-    if spec.tier == Tier::Vm {
-        // The first VM builds the guest kit and the image's disk: shown as image builds are.
-        crate::vm::prepare(state, &store, &spec.image)?;
-    }
-
-    let id = cordon_jail::new_id();
-    let mut create = CreateSpec::new(id.clone(), spec.tier, spec.image.clone(), spec.limits.clone());
-    create.env_vars = spec.env.clone();
-    create.default_user = spec.user.clone();
-    create.workdir = spec.workdir.clone();
-    create.allow_ptrace = spec.allow_ptrace;
-    create.audit = true;
-    create.network = spec.network.clone();
+    // The image (built on first use) and whatever the tier prepares for its first sandbox of
+    // it (a VM's kit and disk), shown as image builds are.
+    crate::image_cmd::ensure(state, backend.as_ref(), &spec, None)?;
     // The egress forwarder runs in this runtime; a second worker keeps a busy download from
     // delaying the command's stream (and the other way round).
     let rt = if spec.network.is_enabled() {
@@ -199,9 +184,9 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let started = Instant::now();
     let mut sandbox = {
         let _enter = rt.enter();
-        backend.create(&create).map_err(|e| match e {
+        backend.create(&spec).map_err(|e| match e {
             BackendError::Unavailable(m) | BackendError::BadRequest(m) | BackendError::UnknownTemplate(m) => usage(m),
-            BackendError::Failed(m) => anyhow::anyhow!("create sandbox: {m}"),
+            e => anyhow::anyhow!("create sandbox: {e}"),
         })?
     };
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
@@ -212,7 +197,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     // A VM's count comes from its guest, a round trip through the agent: asked only when the
     // command was killed.
     let killed = matches!(outcome, Ok(Ended::Signaled(9) | Ended::Died));
-    let oom = (killed || spec.tier != Tier::Vm) && sandbox.oom_kills() > 0;
+    let oom = (killed || caps.host_oom_count) && sandbox.oom_kills() > 0;
     let landlock = sandbox.landlock();
     let denials = sandbox.denials();
     let peak = sandbox.peak_memory();
@@ -233,7 +218,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
         Ok(Ended::Died) if oom => (137, Reason::Oom),
         Ok(Ended::Died) => (137, Reason::SandboxDied),
         Err(e) => {
-            teardown.map_err(|t| anyhow::anyhow!("teardown: {t}"))?;
+            teardown.map_err(|t| anyhow::anyhow!("{t}"))?;
             return Err(e);
         }
     };
@@ -246,8 +231,9 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
         _ => {}
     }
     if a.audit {
-        if spec.tier != Tier::Ns {
-            // The host's syscall filter is the ns tier's; under gVisor its own kernel answers.
+        if !caps.syscall_audit {
+            // The host's syscall filter is the ns tier's; under gVisor or in a VM, their own
+            // kernel answers.
             eprintln!("cordon: audit: not available in the {} tier (no host syscall filter to record)", spec.tier);
         } else if denials.is_empty() {
             eprintln!("cordon: audit: no syscall was denied");
@@ -272,11 +258,11 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
         }
     }
     if let Err(e) = teardown {
-        eprintln!("cordon: warning: teardown: {e}");
+        eprintln!("cordon: warning: {e}");
     }
     if a.json {
         let rec = serde_json::json!({
-            "sandbox_id": id,
+            "sandbox_id": spec.id,
             "exit_code": code,
             "reason": reason.name(),
             "duration_ms": duration.as_secs_f64() * 1000.0,
@@ -305,7 +291,7 @@ enum Ended {
     Died,
 }
 
-async fn drive(sandbox: &dyn Instance, spec: &SandboxSpec, cmd: &[String], copies: &[Copy]) -> Result<Ended> {
+async fn drive(sandbox: &dyn Sandbox, spec: &SandboxSpec, cmd: &[String], copies: &[Copy]) -> Result<Ended> {
     use tokio::signal::unix::{signal, SignalKind};
     let deadline = tokio::time::sleep(spec.limits.timeout);
     tokio::pin!(deadline);

@@ -53,7 +53,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     cordon_jail::become_subreaper();
     // Opening a tier reaps every sandbox of it a crashed cordon left behind: sandboxes are not
     // adopted, since their tokens and deadlines died with the old process.
-    let tiers = cordon_server::backend::Tiers::new(state.host(Some(a.envd_version.clone())));
+    let tiers = cordon_sandbox::Tiers::new(state.host(Some(a.envd_version.clone())), &crate::tiers::TABLE);
     tiers.backend(cordon_spec::Tier::Ns).map_err(|e| usage(e.to_string()))?;
     // The other tiers are opened now too where the host can run them, so that what a crashed
     // server left of them is reaped at start; the ones it cannot run are refused per create.

@@ -43,16 +43,17 @@ impl State {
         &self,
         tier: cordon_spec::Tier,
         dns_upstream: Option<std::net::SocketAddr>,
-    ) -> Result<std::sync::Arc<dyn cordon_server::backend::Backend>> {
+    ) -> Result<std::sync::Arc<dyn cordon_sandbox::Backend>> {
         self.ensure()?;
-        let host = cordon_server::backend::Host { dns_upstream, ..self.host(None) };
-        cordon_server::backend::Tiers::open(&host, tier).map_err(|e| crate::usage(e.to_string()))
+        let host = cordon_sandbox::Host { dns_upstream, ..self.host(None) };
+        let entry = crate::tiers::TABLE.iter().find(|e| e.tier == tier).expect("every tier has a row in the table");
+        (entry.open)(&host).map_err(|e| crate::usage(e.to_string()))
     }
 
     /// What the backends need to know about this host.
-    pub fn host(&self, envd_version: Option<String>) -> cordon_server::backend::Host {
+    pub fn host(&self, envd_version: Option<String>) -> cordon_sandbox::Host {
         // /proc/self/exe stays valid even if the binary on disk is replaced while we run.
-        cordon_server::backend::Host {
+        cordon_sandbox::Host {
             state_dir: self.dir.clone(),
             exe: PathBuf::from("/proc/self/exe"),
             envd_version,

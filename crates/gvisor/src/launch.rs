@@ -2,7 +2,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -156,18 +156,8 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
     let child = cmd.spawn().map_err(|e| {
         GvisorError::Setup(format!("start {} in the sandbox's namespaces: {e}", plan.runsc.display()))
     })?;
-    let pidfd = pidfd_open(child.id() as i32).map_err(crate::io_err("pidfd_open runsc"))?;
+    let pidfd = cordon_host::sys::pidfd_open(child.id() as i32).map_err(crate::io_err("pidfd_open runsc"))?;
     Ok(Launched { child, pidfd, from_agent: from_agent_r, to_agent: to_agent_w })
-}
-
-fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
-    // SAFETY: integer arguments; the returned fd is new and ours.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
 }
 
 /// The thread serving the agent's socket from its link.
@@ -224,26 +214,6 @@ pub fn serve_link(
         })
         .map_err(crate::io_err("start the link thread"))?;
     Ok(LinkThread { stop: Some(stop), thread: Some(thread) })
-}
-
-/// Takes the lock, waiting for a holder to let go.
-pub fn flock(f: &std::fs::File) -> io::Result<()> {
-    loop {
-        // SAFETY: flock on a valid fd.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
-/// Takes the lock without waiting; false when another process holds it.
-pub fn flock_nb(f: &std::fs::File) -> bool {
-    // SAFETY: flock on a valid fd.
-    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
 }
 
 /// (used, total) bytes of the filesystem at `path`.

@@ -6,7 +6,7 @@
 //! - a directory `<state>/gvisor/run/<id>` with a lock held for the sandbox's life and a record
 //!   of its cgroups, written before anything is started (a crashed cordon's sandboxes are
 //!   reaped by the next [`Gvisor::open`], as in the `ns` tier);
-//! - cgroups (`cordon_jail::Cgroup`) holding runsc and everything it starts, so that the caps
+//! - cgroups (`cordon_host::Cgroup`) holding runsc and everything it starts, so that the caps
 //!   cover gVisor's own processes and one `cgroup.kill` ends all of it;
 //! - runsc is started in a mount and a network namespace of its own, made just before it runs:
 //!   the mount namespace holds the sandbox's root (the image's read-only tree under a writable
@@ -19,6 +19,7 @@
 //! - the agent reaches the host over its stdio pipes, multiplexed by `cordon-channel`, and the
 //!   host serves the usual agent socket in the sandbox's directory from it.
 
+pub mod backend;
 pub mod bundle;
 mod launch;
 pub mod netns;
@@ -30,7 +31,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cordon_jail::{Cgroup, Layout};
+use cordon_host::{Cgroup, Layout};
 use cordon_spec::Limits;
 use serde::{Deserialize, Serialize};
 
@@ -149,7 +150,7 @@ impl Gvisor {
                 }
                 continue;
             };
-            if !launch::flock_nb(&lock) {
+            if !cordon_host::sys::flock_exclusive_nb(&lock).unwrap_or(false) {
                 continue; // its owner is alive
             }
             match fs::read(dir.join("record.json"))
@@ -186,7 +187,7 @@ impl Gvisor {
         // Held for the sandbox's life: a free lock means a dead owner (see reap_orphans). A
         // reaper in another process may hold it for a moment (it then sees a young directory
         // without a record and leaves it), so wait for it rather than fail.
-        if let Err(e) = launch::flock(&lock) {
+        if let Err(e) = cordon_host::sys::flock_exclusive(&lock) {
             let _ = fs::remove_dir_all(&dir);
             return Err(io_err("lock the sandbox's directory")(e));
         }
@@ -217,7 +218,7 @@ impl Gvisor {
         let netns = if cfg.tun { Some(netns::with_tun()?) } else { None };
         let resolv = sb.dir.join("resolv.conf");
         if netns.is_some() {
-            fs::write(&resolv, cordon_jail::tun::resolv_conf()).map_err(io_err("write resolv.conf"))?;
+            fs::write(&resolv, cordon_host::tun::resolv_conf()).map_err(io_err("write resolv.conf"))?;
         }
         // The configuration comes first on the link's stdin (see `launch::serve_link`).
         let agent_env = [

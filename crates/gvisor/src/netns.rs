@@ -1,6 +1,6 @@
 //! The network namespace of a gvisor sandbox that has an egress policy: made by the host before
 //! runsc starts, holding a loopback and the same TUN interface as an `ns` sandbox's (addresses,
-//! routes and MTU from `cordon_jail::tun`), whose descriptor the host keeps and serves with the
+//! routes and MTU from `cordon_host::tun`), whose descriptor the host keeps and serves with the
 //! egress forwarder. runsc then runs in it with `--network=host`: gVisor's kernel forwards the
 //! sandbox's sockets to this namespace, where the only way off loopback is that TUN device.
 //!
@@ -37,8 +37,8 @@ pub fn with_tun() -> Result<Netns, GvisorError> {
             if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            cordon_jail::loopback_up()?;
-            let tun = cordon_jail::tun::create()?;
+            cordon_host::sys::loopback_up()?;
+            let tun = cordon_host::tun::create()?;
             let ns = File::open("/proc/thread-self/ns/net")?;
             Ok(Netns { ns: ns.into(), tun })
         })

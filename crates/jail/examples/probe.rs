@@ -23,7 +23,7 @@ fn main() {
     let t = std::time::Instant::now();
     let sb = jail
         .create(&cordon_jail::SandboxConfig {
-            id: cordon_jail::new_id(),
+            id: cordon_sandbox::new_id(),
             rootfs: rootfs.into(),
             limits: Default::default(),
             agent_config: script.into_bytes(),

@@ -23,7 +23,6 @@
 //! The trail is freed with the sandbox: the thread ends when the last process using the filter
 //! is gone, and the sandbox holds the only other reference.
 
-use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -44,14 +43,8 @@ const MAX_PID_CACHE: usize = 256;
 /// The entry that counts every syscall number beyond [`MAX_KINDS`].
 const OTHER: i32 = -1;
 
-/// One kind of denied call.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct Denial {
-    pub syscall: String,
-    pub count: u64,
-    /// Pids inside the sandbox that tried it (the first [`MAX_PIDS`]).
-    pub pids: Vec<u32>,
-}
+/// One kind of denied call (at most [`MAX_PIDS`] pids each).
+pub use cordon_sandbox::Denial;
 
 #[repr(C)]
 #[derive(Default)]

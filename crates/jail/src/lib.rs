@@ -5,22 +5,20 @@
 //! records the plan on disk before touching the kernel (so a crash at any point leaves
 //! something the next start can reap), then runs the [`jailer`] which builds the namespaces and
 //! execs `cordon-agent` as the sandbox's PID 1. [`Sandbox`] is the live handle; dropping it
-//! tears everything down.
+//! tears everything down. [`backend`] is the tier as a `cordon_sandbox::Backend`; cgroups, uid
+//! slots and the TUN device come from `cordon-host`, shared with the other tiers.
 
 pub mod audit;
+pub mod backend;
 mod caps;
-pub mod cgroup;
 pub mod jailer;
 mod landlock;
 mod procview;
 mod rootfs;
 mod seccomp;
-mod slots;
 mod sys;
-pub mod tun;
 
-pub use cgroup::{Cgroup, Layout};
-pub use slots::{Slot, Slots};
+pub use cordon_host::{cgroup, slots, tun, Cgroup, Layout, Slot, Slots, UID_BASE, UID_COUNT};
 /// Brings up `lo` in the caller's network namespace (the vm tier's guest init uses it too).
 pub use seccomp::programs as seccomp_programs;
 pub use sys::{loopback_up, send_fd_with};
@@ -32,11 +30,6 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-/// Host uids/gids of sandbox `n` start at `UID_BASE + n * UID_COUNT`: far above the ranges
-/// distributions hand out in /etc/subuid, below 2^31 so no tool misreads them as negative.
-pub const UID_BASE: u32 = 1_000_000_000;
-pub const UID_COUNT: u32 = 65_536;
 
 /// Errors of the ns tier. Each message says what failed and, where there is one, the fix.
 #[derive(Debug, thiserror::Error)]
@@ -373,27 +366,4 @@ impl Drop for Sandbox {
 pub fn become_subreaper() {
     // SAFETY: prctl with integer arguments.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-}
-
-/// A random sandbox id in E2B's shape: `i` followed by 20 of `[a-z0-9]`.
-pub fn new_id() -> String {
-    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-    let mut raw = [0u8; 20];
-    getrandom::fill(&mut raw).expect("the kernel's random source is available");
-    let mut id = String::with_capacity(21);
-    id.push('i');
-    id.extend(raw.iter().map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char));
-    id
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn ids_have_e2b_shape() {
-        let id = super::new_id();
-        assert_eq!(id.len(), 21);
-        assert!(id.starts_with('i'));
-        assert!(id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()));
-        assert_ne!(id, super::new_id());
-    }
 }

@@ -5,9 +5,11 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+
+pub use cordon_host::sys::{check, flock_exclusive_nb, loopback_up, pidfd_open, send_fd_with};
 
 // From <linux/mount.h>; libc does not export these yet.
 pub const OPEN_TREE_CLONE: libc::c_uint = 1;
@@ -23,17 +25,6 @@ struct MountAttr {
     attr_clr: u64,
     propagation: u64,
     userns_fd: u64,
-}
-
-fn check(ret: libc::c_long, what: &str) -> io::Result<libc::c_long> {
-    if ret < 0 {
-        let e = io::Error::last_os_error();
-        tracing::debug!("{what}: {e}");
-        Err(io::Error::new(e.kind(), format!("{what}: {e}")))
-    } else {
-        tracing::debug!("{what}: ok");
-        Ok(ret)
-    }
 }
 
 pub fn cpath(p: &Path) -> io::Result<CString> {
@@ -278,14 +269,6 @@ pub fn execveat_fd(fd: RawFd, argv: &[CString], envp: &[CString]) -> io::Error {
     io::Error::last_os_error()
 }
 
-pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
-    // SAFETY: integer arguments; the returned fd is new and ours.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    let fd = check(r, "pidfd_open")?;
-    // SAFETY: fresh fd from the kernel.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
-
 pub fn pidfd_kill(pidfd: &OwnedFd) -> io::Result<()> {
     // SAFETY: a valid pidfd and a signal number; no siginfo.
     let r = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, 0usize, 0u32) };
@@ -320,71 +303,9 @@ pub fn pidfd_reap(pidfd: &OwnedFd, block: bool) -> io::Result<bool> {
     }
 }
 
-pub fn flock_exclusive_nb(fd: &impl AsRawFd) -> io::Result<bool> {
-    // SAFETY: flock on a valid fd.
-    let r = unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if r == 0 {
-        return Ok(true);
-    }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(false)
-    } else {
-        Err(e)
-    }
-}
-
-/// Brings the loopback interface of the current network namespace up.
-pub fn loopback_up() -> io::Result<()> {
-    // SAFETY: a plain socket used only for the interface ioctls below, closed by OwnedFd.
-    let s = check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) } as _, "socket")?;
-    // SAFETY: fresh fd from the kernel.
-    let sock = unsafe { OwnedFd::from_raw_fd(s as RawFd) };
-    // SAFETY: zeroed ifreq is valid; the name is copied in with its NUL terminator in range.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, b) in req.ifr_name.iter_mut().zip(b"lo\0") {
-        *d = *b as libc::c_char;
-    }
-    // SAFETY: SIOCGIFFLAGS fills ifr_ifru.ifru_flags of a valid ifreq.
-    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } as _, "SIOCGIFFLAGS lo")?;
-    // SAFETY: the flags union member was just written by the kernel.
-    unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
-    // SAFETY: as above, now setting the flags.
-    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } as _, "SIOCSIFFLAGS lo").map(drop)
-}
-
 /// Sends one fd and a byte over a Unix socket.
 pub fn send_fd(sock: &OwnedFd, fd: &OwnedFd) -> io::Result<()> {
     send_fd_with(sock.as_fd(), fd.as_fd(), &[1u8])
-}
-
-/// Sends `data` in one message with `fd` attached (for protocols such as QMP's `getfd`, where
-/// the descriptor rides on a command).
-pub fn send_fd_with(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>, data: &[u8]) -> io::Result<()> {
-    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut _, iov_len: data.len() };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u8; space];
-    // SAFETY: zeroed msghdr, then every pointer set to buffers that outlive sendmsg.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = space;
-    // SAFETY: the control buffer is CMSG_SPACE bytes, large enough for one fd's cmsghdr.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut RawFd, fd.as_raw_fd());
-    }
-    // SAFETY: msg is fully initialised above.
-    let sent = check(unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) } as _, "sendmsg fd")?;
-    if sent as usize != data.len() {
-        return Err(io::Error::other("sendmsg with a descriptor: short write"));
-    }
-    Ok(())
 }
 
 /// Receives one message, with the fd it carries if any; an empty message means EOF.

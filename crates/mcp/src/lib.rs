@@ -18,7 +18,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use cordon_server::backend::Backend;
+use cordon_sandbox::Backend;
 use rmcp::ServiceExt;
 
 pub use config::Config;

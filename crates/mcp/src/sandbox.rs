@@ -6,12 +6,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cordon_server::backend::{Backend, BackendError, CreateSpec, Instance};
+use cordon_sandbox::lifecycle::READY_TIMEOUT;
+use cordon_sandbox::{Backend, Sandbox, SandboxSpec};
 
 use crate::config::Config;
-
-/// How long a new sandbox's agent may take to answer `/health`.
-const READY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A live sandbox as a session sees it: enough to talk to its agent.
 #[derive(Debug, Clone)]
@@ -30,7 +28,7 @@ impl Live {
 pub struct Pool {
     backend: Arc<dyn Backend>,
     config: Config,
-    live: Mutex<HashMap<String, Box<dyn Instance>>>,
+    live: Mutex<HashMap<String, Box<dyn Sandbox>>>,
     /// Teardowns under way (taken out of `live`, not yet finished): shutdown waits for them.
     tearing_down: std::sync::atomic::AtomicUsize,
 }
@@ -53,12 +51,12 @@ impl Pool {
         &self.config
     }
 
-    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Box<dyn Instance>>> {
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Box<dyn Sandbox>>> {
         self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Takes a sandbox out of the pool for teardown; counted until the guard drops.
-    fn take(&self, id: &str) -> Option<(Box<dyn Instance>, Teardown<'_>)> {
+    fn take(&self, id: &str) -> Option<(Box<dyn Sandbox>, Teardown<'_>)> {
         let mut live = self.live();
         let instance = live.remove(id)?;
         self.tearing_down.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -82,11 +80,17 @@ impl Pool {
             cpus: c.cpus as f64,
             disk_bytes: c.disk_mb << 20,
             // Each call has its own timeout; the sandbox lives as long as the session.
-            timeout: cordon_server::backend::SERVER_BACKSTOP,
+            timeout: cordon_sandbox::SERVER_BACKSTOP,
             ..Default::default()
         };
-        let mut spec = CreateSpec::new(cordon_jail::new_id(), c.tier, c.image.clone(), limits);
-        spec.network = c.network.clone();
+        let spec = SandboxSpec {
+            id: cordon_sandbox::new_id(),
+            tier: c.tier,
+            image: c.image.clone(),
+            limits,
+            network: c.network.clone(),
+            ..Default::default()
+        };
         let started = Instant::now();
         let backend = self.backend.clone();
         let spec2 = spec.clone();
@@ -94,8 +98,8 @@ impl Pool {
             .await
             .map_err(|e| format!("sandbox creation panicked: {e}"))?
             .map_err(|e| match e {
-                BackendError::UnknownTemplate(m) | BackendError::BadRequest(m) | BackendError::Unavailable(m) => m,
-                BackendError::Failed(m) => format!("cannot create the sandbox: {m}"),
+                cordon_sandbox::Error::UnknownTemplate(m) | cordon_sandbox::Error::BadRequest(m) | cordon_sandbox::Error::Unavailable(m) => m,
+                e => format!("cannot create the sandbox: {e}"),
             })?;
         let live = Live { id: spec.id.clone(), socket: instance.socket_path().to_path_buf() };
         self.live().insert(spec.id.clone(), instance);
@@ -114,11 +118,7 @@ impl Pool {
 
     /// Whether the sandbox's init is still alive, as far as the backend can tell.
     pub fn is_dead(&self, id: &str) -> bool {
-        let Some(fd) = self.live().get(id).and_then(|i| i.death_fd()) else { return false };
-        let mut p = libc_pollfd(&fd);
-        // SAFETY: one valid pollfd, zero timeout.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n > 0 && p.revents & libc::POLLIN != 0
+        self.live().get(id).is_some_and(|i| i.is_dead())
     }
 
     /// Destroys one sandbox, waiting for its teardown.
@@ -145,7 +145,7 @@ impl Pool {
 
     /// Destroys every sandbox (shutdown).
     pub async fn destroy_all(&self) {
-        let all: Vec<(String, Box<dyn Instance>)> = self.live().drain().collect();
+        let all: Vec<(String, Box<dyn Sandbox>)> = self.live().drain().collect();
         let n = all.len();
         let tasks: Vec<_> =
             all.into_iter().map(|(id, i)| tokio::task::spawn_blocking(move || destroy_instance(&id, i))).collect();
@@ -163,15 +163,10 @@ impl Pool {
     }
 }
 
-fn libc_pollfd(fd: &std::os::fd::OwnedFd) -> libc::pollfd {
-    use std::os::fd::AsRawFd;
-    libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }
-}
-
-fn destroy_instance(id: &str, mut instance: Box<dyn Instance>) {
+fn destroy_instance(id: &str, mut instance: Box<dyn Sandbox>) {
     match instance.destroy() {
         Ok(()) => tracing::info!(sandbox = %id, "sandbox destroyed"),
-        Err(e) => tracing::warn!(sandbox = %id, "teardown: {e}"),
+        Err(e) => tracing::warn!(sandbox = %id, "{e}"),
     }
 }
 

@@ -117,7 +117,7 @@ impl Session {
             };
             return self.execute(&live, job, notes, ctx).await;
         }
-        let path = format!("{CODE_DIR}/cell-{}.{ext}", cordon_jail::new_id());
+        let path = format!("{CODE_DIR}/cell-{}.{ext}", cordon_sandbox::new_id());
         live.client()
             .upload_file(&path, Some(exec::USER), a.code.into_bytes().into())
             .await

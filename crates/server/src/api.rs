@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::{json_response, ApiError};
-use crate::registry::{Entry, NewSandbox, MAX_TIMEOUT_SECS};
+use crate::registry::{LiveSandbox, NewSandbox, MAX_TIMEOUT_SECS};
 use crate::{auth, query, App, Body};
 
 /// Largest control-plane request body.
@@ -186,7 +186,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
         (Some(false), _) | (_, None) => cordon_spec::NetworkPolicy::default(),
         (_, Some(n)) => n.policy()?,
     };
-    crate::backend::check_network_tier(tier, &network).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    app.sandboxes.check_network(tier, &network).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let entry = app
         .sandboxes
         .create(NewSandbox {
@@ -209,7 +209,7 @@ fn iso(t: SystemTime) -> String {
 }
 
 /// The `Sandbox` model (create/connect answers).
-pub fn sandbox_json(e: &Entry) -> Value {
+pub fn sandbox_json(e: &LiveSandbox) -> Value {
     json!({
         "templateID": e.template,
         "sandboxID": e.id,
@@ -223,7 +223,7 @@ pub fn sandbox_json(e: &Entry) -> Value {
 }
 
 /// `SandboxDetail` / `ListedSandbox`.
-pub fn detail_json(e: &Entry) -> Value {
+pub fn detail_json(e: &LiveSandbox) -> Value {
     json!({
         "templateID": e.template,
         "sandboxID": e.id,
@@ -331,12 +331,12 @@ async fn update_network(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Res
     let b: NetworkBody = read_json(req, true).await?;
     let policy = b.policy()?;
     let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
-    e.set_network(policy).map_err(|m| ApiError::new(StatusCode::CONFLICT, m).no_retry())?;
+    e.set_network(policy).map_err(|m| ApiError::new(StatusCode::CONFLICT, m.to_string()).no_retry())?;
     Ok(empty(StatusCode::NO_CONTENT))
 }
 
 /// Page order: oldest first, ties broken by id, so that a token names a stable position.
-fn sort_key(e: &Entry) -> (u128, String) {
+fn sort_key(e: &LiveSandbox) -> (u128, String) {
     (e.started_at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()), e.id.clone())
 }
 
@@ -380,7 +380,7 @@ fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
                 .to_system_time(),
         ),
     };
-    let mut items: Vec<Arc<Entry>> = if want_running { app.sandboxes.all() } else { Vec::new() };
+    let mut items: Vec<Arc<LiveSandbox>> = if want_running { app.sandboxes.all() } else { Vec::new() };
     items.retain(|e| filter.iter().all(|(k, v)| e.metadata.get(k) == Some(v)));
     if let Some(t) = &template {
         items.retain(|e| &e.template == t);

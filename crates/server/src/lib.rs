@@ -8,11 +8,12 @@
 //!
 //! Which plane a request belongs to is decided in [`routes`], in the order the protocol notes
 //! prescribe. Sandboxes live in the [`registry::Sandboxes`] registry, the only part that talks
-//! to a [`backend::Backend`] (the jail, in production); the HTTP layer never touches namespaces.
+//! to a [`cordon_sandbox::Backend`] (every tier, in production); the HTTP layer never touches
+//! namespaces.
 
+pub mod agent_link;
 pub mod api;
 pub mod auth;
-pub mod backend;
 pub mod error;
 pub mod lifecycle;
 pub mod port_token;
@@ -20,7 +21,7 @@ pub mod proxy;
 pub mod query;
 pub mod registry;
 pub mod routes;
-pub mod start;
+pub mod start_command;
 
 use std::convert::Infallible;
 use std::future::Future;

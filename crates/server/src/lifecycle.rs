@@ -1,12 +1,9 @@
-//! Lifetimes: the TTL sweeper and the watch on each sandbox's init, so that a sandbox that
-//! dies by itself (OOM of its init, a kill from outside) leaves the registry at once.
+//! Lifetimes: the TTL sweeper. (The watch on each sandbox's init, so that a sandbox that dies
+//! by itself leaves the registry at once, is `cordon_sandbox::lifecycle::died`, spawned by the
+//! registry.)
 
-use std::os::fd::OwnedFd;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
-
-use tokio::io::unix::AsyncFd;
-use tokio::io::Interest;
 
 use crate::registry::Sandboxes;
 
@@ -20,19 +17,6 @@ pub async fn sweep(sandboxes: Arc<Sandboxes>) {
     loop {
         tick.tick().await;
         sandboxes.expire_due().await;
-    }
-}
-
-/// Waits for the sandbox's init to exit, then takes it out of the registry.
-pub async fn watch_death(sandboxes: Weak<Sandboxes>, id: String, pidfd: OwnedFd) {
-    // SAFETY: `pidfd` is owned by this AsyncFd alone, so it stays open and names the same
-    // process for the AsyncFd's whole life.
-    let Ok(afd) = (unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }) else { return };
-    if afd.readable().await.is_err() {
-        return;
-    }
-    if let Some(s) = sandboxes.upgrade() {
-        s.remove(&id, "sandbox init exited").await;
     }
 }
 

@@ -13,7 +13,7 @@ use hyper::HeaderMap;
 
 use crate::auth;
 use crate::error::ApiError;
-use crate::registry::Entry;
+use crate::registry::LiveSandbox;
 
 /// The header the SDKs put the envd access token in.
 pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
@@ -22,7 +22,7 @@ pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
 
 /// Checks a request to `port` of `entry`, a port that needs the token, and strips the
 /// credentials from `headers`.
-pub fn check(entry: &Entry, port: u16, headers: &mut HeaderMap) -> Result<(), ApiError> {
+pub fn check(entry: &LiveSandbox, port: u16, headers: &mut HeaderMap) -> Result<(), ApiError> {
     let given = |name: &str| headers.get(name).map(|v| v.to_str().unwrap_or(""));
     let ok = match (given(ACCESS_TOKEN_HEADER), given(TRAFFIC_TOKEN_HEADER)) {
         (None, None) => {

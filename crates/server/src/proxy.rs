@@ -11,23 +11,20 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use cordon_envd::files::FilesQuery;
-use hyper::header::{HeaderName, AUTHORIZATION, CONNECTION, HOST, UPGRADE};
+use hyper::header::{HeaderName, AUTHORIZATION, CONNECTION, UPGRADE};
 use hyper::{Method, Request, Response, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
 
 use crate::auth::{self, FileOp};
 use crate::error::{sandbox_not_found, ApiError};
-use crate::registry::Entry;
+use crate::agent_link::{ask_forward, ProxyError, FORWARD_PREFIX};
+use crate::registry::LiveSandbox;
 use crate::{port_token, App, Body, ENVD_PORT};
-
-/// Must match the agent's forwarding endpoint.
-const FORWARD_PREFIX: &str = "/__cordon/forward/";
-const FORWARD_PROTOCOL: &str = "cordon-forward";
 
 /// Headers that describe one hop, not the request (RFC 9110 7.6.1).
 const HOP_BY_HOP: &[&str] = &["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer", "upgrade"];
@@ -112,7 +109,7 @@ impl SignedFile {
 /// envd's rule: every route needs the access token except `GET /health`; `/files` takes the
 /// token or a URL signature made with it. A `/files` query that repeats a parameter is refused
 /// whatever the credential: the signature covers one value of each.
-pub fn authorize<B>(entry: &Entry, req: &Request<B>) -> Result<Grant, ApiError> {
+pub fn authorize<B>(entry: &LiveSandbox, req: &Request<B>) -> Result<Grant, ApiError> {
     let path = req.uri().path();
     if path == "/health" && matches!(*req.method(), Method::GET | Method::HEAD) {
         return Ok(Grant::Open);
@@ -176,22 +173,12 @@ impl hyper::body::Body for Permitted {
 
 /// The sandbox whose token produced the signature of a signed `/files` URL, if any. A query
 /// that repeats a parameter is refused here already, before any sandbox is tried.
-pub fn signed_by<B>(sandboxes: &crate::Sandboxes, req: &Request<B>) -> Result<Option<Arc<Entry>>, ApiError> {
+pub fn signed_by<B>(sandboxes: &crate::Sandboxes, req: &Request<B>) -> Result<Option<Arc<LiveSandbox>>, ApiError> {
     let q = FilesQuery::parse(req.uri().query()).map_err(|e| ApiError::bad_request(e.to_string()))?;
     if req.headers().contains_key("x-access-token") || q.signature.is_none() {
         return Ok(None);
     }
     Ok(sandboxes.all().into_iter().find(|e| authorize(e, req).is_ok()))
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ProxyError {
-    #[error("connect to the agent: {0}")]
-    Connect(std::io::Error),
-    #[error("{0}")]
-    Http(#[from] hyper::Error),
-    #[error("{0}")]
-    Port(String),
 }
 
 /// The request as it goes to the agent: origin-form URI, no hop-by-hop headers.
@@ -221,29 +208,6 @@ fn wants_upgrade<B>(req: &Request<B>) -> bool {
         && req.headers().get_all(CONNECTION).iter().any(|v| {
             v.to_str().is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
         })
-}
-
-/// Whether something inside the sandbox accepts connections on `port`: the agent answers the
-/// forwarding request with 101 only after it connected to the port. The connection is then
-/// dropped unused.
-pub async fn port_open(socket: &Path, port: u16) -> Result<bool, ProxyError> {
-    let stream = UnixStream::connect(socket).await.map_err(ProxyError::Connect)?;
-    let resp = ask_forward(stream, port).await?;
-    Ok(resp.status() == StatusCode::SWITCHING_PROTOCOLS)
-}
-
-/// Asks the agent, over `stream`, to connect to `port` inside the sandbox; its 101 answer
-/// upgrades the stream into that connection.
-async fn ask_forward(stream: UnixStream, port: u16) -> Result<Response<Incoming>, ProxyError> {
-    let (mut sender, conn) = http1::handshake::<_, Empty<Bytes>>(TokioIo::new(stream)).await?;
-    tokio::spawn(conn.with_upgrades());
-    let up = Request::get(format!("{FORWARD_PREFIX}{port}"))
-        .header(HOST, "cordon-agent")
-        .header(CONNECTION, "upgrade")
-        .header(UPGRADE, FORWARD_PROTOCOL)
-        .body(Empty::new())
-        .map_err(|e| ProxyError::Port(e.to_string()))?;
-    Ok(sender.send_request(up).await?)
 }
 
 async fn forward(socket: &Path, port: u16, mut req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {

@@ -9,27 +9,26 @@ use std::time::{Duration, Instant, SystemTime};
 
 use hyper::StatusCode;
 
+use cordon_sandbox::lifecycle::READY_TIMEOUT;
+use cordon_sandbox::{Backend, Sandbox, SandboxSpec};
+
 use crate::auth;
-use crate::backend::{Backend, BackendError, CreateSpec, Instance};
 use crate::error::ApiError;
 
 /// Longest TTL a create, connect or set_timeout may ask for (E2B's own cap is 24 h).
-pub const MAX_TIMEOUT_SECS: u64 = 86_400;
+pub use cordon_sandbox::MAX_TIMEOUT_SECS;
 
 /// Most requests in flight to one sandbox at once (streams included): one sandbox cannot
 /// take all of the server's connections and memory.
 pub const MAX_STREAMS_PER_SANDBOX: usize = 512;
 
-/// How long a new agent may take to answer `/health` before the create fails.
-const READY_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// One live sandbox.
-pub struct Entry {
+pub struct LiveSandbox {
     pub id: String,
     pub tier: cordon_spec::Tier,
     pub template: String,
     pub token: String,
-    /// The `trafficAccessToken`: opens the [`Entry::token_ports`] (see [`crate::port_token`]),
+    /// The `trafficAccessToken`: opens the [`LiveSandbox::token_ports`] (see [`crate::port_token`]),
     /// not envd.
     pub traffic_token: String,
     /// Ports other than envd's that take only requests with a token: the image's start command's
@@ -46,10 +45,10 @@ pub struct Entry {
     /// Permits for requests in flight, see [`MAX_STREAMS_PER_SANDBOX`].
     pub streams: Arc<tokio::sync::Semaphore>,
     end_at: Mutex<SystemTime>,
-    instance: Mutex<Option<Box<dyn Instance>>>,
+    instance: Mutex<Option<Box<dyn Sandbox>>>,
 }
 
-impl Entry {
+impl LiveSandbox {
     pub fn end_at(&self) -> SystemTime {
         *self.end_at.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -59,7 +58,7 @@ impl Entry {
     }
 
     /// `f` of the live instance, or `default` once it has been destroyed.
-    fn with_instance<T>(&self, default: T, f: impl FnOnce(&dyn Instance) -> T) -> T {
+    fn with_instance<T>(&self, default: T, f: impl FnOnce(&dyn Sandbox) -> T) -> T {
         self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_deref().map_or(default, f)
     }
 
@@ -76,18 +75,18 @@ impl Entry {
     }
 
     /// The syscalls its filter denied so far.
-    pub fn denials(&self) -> Vec<crate::backend::Denial> {
+    pub fn denials(&self) -> Vec<cordon_sandbox::Denial> {
         self.with_instance(Vec::new(), |i| i.denials())
     }
 
     /// The network attempts its egress policy blocked so far.
-    pub fn blocked(&self) -> Vec<crate::backend::Blocked> {
+    pub fn blocked(&self) -> Vec<cordon_sandbox::Blocked> {
         self.with_instance(Vec::new(), |i| i.blocked())
     }
 
     /// Replaces its egress policy (new connections only).
-    pub fn set_network(&self, policy: cordon_spec::NetworkPolicy) -> Result<(), String> {
-        self.with_instance(Err("the sandbox is gone".into()), |i| i.set_network(policy))
+    pub fn set_network(&self, policy: cordon_spec::NetworkPolicy) -> Result<(), cordon_sandbox::Error> {
+        self.with_instance(Err(cordon_sandbox::Error::Unavailable("the sandbox is gone".into())), |i| i.set_network(policy))
     }
 }
 
@@ -107,7 +106,7 @@ pub struct NewSandbox {
 /// The registry.
 pub struct Sandboxes {
     backend: Arc<dyn Backend>,
-    live: RwLock<HashMap<String, Arc<Entry>>>,
+    live: RwLock<HashMap<String, Arc<LiveSandbox>>>,
     /// Creates under way, counted against the limit so that a burst cannot overshoot it.
     pending: AtomicUsize,
     max: usize,
@@ -128,27 +127,32 @@ impl Sandboxes {
         Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), pending: AtomicUsize::new(0), max, envd_version })
     }
 
+    /// Refuses a network policy the tier cannot enforce, before anything is built.
+    pub fn check_network(&self, tier: cordon_spec::Tier, network: &cordon_spec::NetworkPolicy) -> Result<(), cordon_sandbox::Error> {
+        self.backend.capabilities(tier).check_network(tier, network)
+    }
+
     pub fn envd_version(&self) -> &str {
         &self.envd_version
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<Entry>>> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<LiveSandbox>>> {
         self.live.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<Entry>>> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<LiveSandbox>>> {
         self.live.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn get(&self, id: &str) -> Option<Arc<Entry>> {
+    pub fn get(&self, id: &str) -> Option<Arc<LiveSandbox>> {
         self.read().get(id).cloned()
     }
 
-    pub fn by_token(&self, token: &str) -> Option<Arc<Entry>> {
+    pub fn by_token(&self, token: &str) -> Option<Arc<LiveSandbox>> {
         self.read().values().find(|e| auth::ct_eq(&e.token, token)).cloned()
     }
 
-    pub fn all(&self) -> Vec<Arc<Entry>> {
+    pub fn all(&self) -> Vec<Arc<LiveSandbox>> {
         self.read().values().cloned().collect()
     }
 
@@ -174,20 +178,26 @@ impl Sandboxes {
     }
 
     /// Creates a sandbox and returns once its agent answers.
-    pub async fn create(self: &Arc<Self>, req: NewSandbox) -> Result<Arc<Entry>, ApiError> {
+    pub async fn create(self: &Arc<Self>, req: NewSandbox) -> Result<Arc<LiveSandbox>, ApiError> {
         let _slot = self.reserve()?;
         let limits = cordon_spec::Limits {
             memory_bytes: req.memory_mb << 20,
             cpus: req.cpu_count as f64,
             disk_bytes: req.disk_mb << 20,
-            timeout: crate::backend::SERVER_BACKSTOP,
+            timeout: cordon_sandbox::SERVER_BACKSTOP,
             ..Default::default()
         };
-        let mut spec = CreateSpec::new(cordon_jail::new_id(), req.tier, req.template.clone(), limits);
-        spec.env_vars = req.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        spec.network = req.network;
-        // The audit trail is served by `GET /sandboxes/{id}/audit`; it costs an idle thread.
-        spec.audit = true;
+        let spec = SandboxSpec {
+            id: cordon_sandbox::new_id(),
+            tier: req.tier,
+            image: req.template.clone(),
+            limits,
+            env: req.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            network: req.network,
+            // The audit trail is served by `GET /sandboxes/{id}/audit`; it costs an idle thread.
+            audit: true,
+            ..Default::default()
+        };
         let started = Instant::now();
         let backend = self.backend.clone();
         let spec2 = spec.clone();
@@ -195,18 +205,20 @@ impl Sandboxes {
             .await
             .map_err(|e| ApiError::internal(format!("sandbox creation panicked: {e}")))?
             .map_err(|e| {
-                tracing::info!(sandbox = %spec.id, template = %spec.template, "sandbox create refused: {e}");
+                tracing::info!(sandbox = %spec.id, template = %spec.image, "sandbox create refused: {e}");
+                use cordon_sandbox::Error;
                 match e {
-                    BackendError::UnknownTemplate(m) => ApiError::not_found(m),
-                    BackendError::BadRequest(m) | BackendError::Unavailable(m) => ApiError::bad_request(m),
-                    BackendError::Failed(m) => ApiError::internal(format!("cannot create the sandbox: {m}")),
+                    Error::UnknownTemplate(m) => ApiError::not_found(m),
+                    Error::BadRequest(m) | Error::Unavailable(m) => ApiError::bad_request(m),
+                    e @ Error::NoNetwork => ApiError::bad_request(e.to_string()),
+                    e @ Error::Failed { .. } => ApiError::internal(format!("cannot create the sandbox: {e}")),
                 }
             })?;
         let socket = instance.socket_path().to_path_buf();
         let death = instance.death_fd();
         let start_command = instance.start_command().cloned();
         let slowdown = instance.slowdown();
-        let entry = Arc::new(Entry {
+        let entry = Arc::new(LiveSandbox {
             id: spec.id.clone(),
             tier: req.tier,
             template: req.template,
@@ -235,7 +247,7 @@ impl Sandboxes {
             return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
         }
         if let Some(start) = &start_command {
-            if let Err(e) = crate::start::run(&socket, start, slowdown).await {
+            if let Err(e) = crate::start_command::run(&socket, start, slowdown).await {
                 destroy(&entry).await;
                 tracing::warn!(sandbox = %entry.id, template = %entry.template, "start command failed: {e}");
                 return Err(ApiError::internal(format!("template '{}': {e}", entry.template)));
@@ -243,7 +255,16 @@ impl Sandboxes {
         }
         self.write().insert(entry.id.clone(), entry.clone());
         if let Some(fd) = death {
-            tokio::spawn(crate::lifecycle::watch_death(Arc::downgrade(self), entry.id.clone(), fd));
+            // A sandbox that dies by itself (OOM of its init, a kill from outside) leaves the
+            // registry at once.
+            let (sandboxes, id) = (Arc::downgrade(self), entry.id.clone());
+            tokio::spawn(async move {
+                if cordon_sandbox::lifecycle::died(fd).await {
+                    if let Some(s) = sandboxes.upgrade() {
+                        s.remove(&id, "sandbox init exited").await;
+                    }
+                }
+            });
         }
         tracing::info!(
             sandbox = %entry.id, template = %entry.template, timeout_s = req.timeout.as_secs(),
@@ -254,7 +275,7 @@ impl Sandboxes {
     }
 
     /// Sets the deadline to `now + timeout`.
-    pub fn set_timeout(&self, id: &str, timeout: Duration) -> Option<Arc<Entry>> {
+    pub fn set_timeout(&self, id: &str, timeout: Duration) -> Option<Arc<LiveSandbox>> {
         let e = self.get(id)?;
         e.set_end_at(SystemTime::now() + timeout);
         tracing::info!(sandbox = %id, timeout_s = timeout.as_secs(), "sandbox timeout set");
@@ -262,7 +283,7 @@ impl Sandboxes {
     }
 
     /// Moves the deadline to `now + timeout` if that is later (connect never shortens a life).
-    pub fn extend(&self, id: &str, timeout: Duration) -> Option<Arc<Entry>> {
+    pub fn extend(&self, id: &str, timeout: Duration) -> Option<Arc<LiveSandbox>> {
         let e = self.get(id)?;
         let want = SystemTime::now() + timeout;
         if want > e.end_at() {
@@ -304,14 +325,14 @@ impl Sandboxes {
     }
 }
 
-async fn destroy(entry: &Arc<Entry>) {
+async fn destroy(entry: &Arc<LiveSandbox>) {
     let instance = entry.instance.lock().unwrap_or_else(|p| p.into_inner()).take();
     let Some(mut instance) = instance else { return };
     let id = entry.id.clone();
     let result = tokio::task::spawn_blocking(move || instance.destroy()).await;
     match result {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(sandbox = %id, "teardown: {e}"),
+        Ok(Err(e)) => tracing::warn!(sandbox = %id, "{e}"),
         Err(e) => tracing::warn!(sandbox = %id, "teardown panicked: {e}"),
     }
 }

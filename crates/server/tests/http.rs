@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cordon_server::backend::{Backend, BackendError, CreateSpec, Instance};
+use cordon_sandbox::{Backend, Capabilities, Error as BackendError, Sandbox, SandboxSpec};
 use cordon_server::{App, Sandboxes};
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode};
@@ -29,7 +29,7 @@ struct InProcessInstance {
     slowdown: u32,
 }
 
-impl Instance for InProcessInstance {
+impl Sandbox for InProcessInstance {
     fn socket_path(&self) -> &Path {
         &self.socket
     }
@@ -45,7 +45,7 @@ impl Instance for InProcessInstance {
     fn slowdown(&self) -> u32 {
         self.slowdown
     }
-    fn destroy(&mut self) -> Result<(), String> {
+    fn destroy(&mut self) -> Result<(), BackendError> {
         self.task.abort();
         let _ = std::fs::remove_file(&self.socket);
         Ok(())
@@ -53,13 +53,18 @@ impl Instance for InProcessInstance {
 }
 
 impl Backend for InProcess {
-    fn create(&self, spec: &CreateSpec) -> Result<Box<dyn Instance>, BackendError> {
+    fn capabilities(&self, _tier: cordon_spec::Tier) -> Capabilities {
+        // The API's policy checks run as for the ns tier; the in-process agent has no interface.
+        Capabilities { egress: true, syscall_audit: false, host_oom_count: true }
+    }
+
+    fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, BackendError> {
         // `svc-<port>`: a template whose start command serves on <port> after a pause;
         // `svc-broken`: one whose start command fails; `late-<slowdown>-<port>`: one that serves
         // after 1.5 s with a readiness timeout of 1 s, in a sandbox `slowdown` times slower
         // than the host (an emulated CPU).
         let mut slowdown = 1;
-        let start = match spec.template.as_str() {
+        let start = match spec.image.as_str() {
             "base" => None,
             "svc-broken" => Some(start_command("echo missing-config-file >&2; exit 3", Some(1))),
             t if t.starts_with("late-") => {
@@ -91,17 +96,17 @@ impl Backend for InProcess {
                     ),
                     Some(port),
                 )),
-                None => return Err(BackendError::UnknownTemplate(format!("template '{}' not found", spec.template))),
+                None => return Err(BackendError::UnknownTemplate(format!("template '{}' not found", spec.image))),
             },
         };
         let socket = self.dir.join(format!("{}.sock", spec.id));
-        let l = std::os::unix::net::UnixListener::bind(&socket).map_err(|e| BackendError::Failed(e.to_string()))?;
-        l.set_nonblocking(true).map_err(|e| BackendError::Failed(e.to_string()))?;
+        let l = std::os::unix::net::UnixListener::bind(&socket).map_err(|e| BackendError::failed("bind the agent socket", e))?;
+        l.set_nonblocking(true).map_err(|e| BackendError::failed("bind the agent socket", e))?;
         let cfg = cordon_agent::AgentConfig {
             sandbox_id: spec.id.clone(),
             default_user: "root".into(),
             workdir: None,
-            env: spec.env_vars.clone().into_iter().collect(),
+            env: spec.env.clone().into_iter().collect(),
             root: PathBuf::from("/"),
             envd_version: None,
             isolate_commands: false,

@@ -73,9 +73,13 @@ impl std::str::FromStr for Tier {
     }
 }
 
-/// Everything needed to create one sandbox.
+/// Everything needed to create one sandbox, the same for every front end and every tier.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SandboxSpec {
+    /// The sandbox's id, assigned by the front end that creates it (E2B's shape, see
+    /// `cordon_sandbox::new_id`).
+    #[serde(default)]
+    pub id: String,
     /// Image name in the store (`base` by default).
     pub image: String,
     #[serde(default)]
@@ -97,6 +101,9 @@ pub struct SandboxSpec {
     /// Egress allowlist; empty (the default) means loopback only.
     #[serde(default)]
     pub network: NetworkPolicy,
+    /// Record the syscalls the host's filter denies (where the tier has one); costs a thread.
+    #[serde(default)]
+    pub audit: bool,
 }
 
 fn default_user() -> String {
@@ -106,6 +113,7 @@ fn default_user() -> String {
 impl Default for SandboxSpec {
     fn default() -> Self {
         SandboxSpec {
+            id: String::new(),
             image: "base".into(),
             tier: Tier::Ns,
             limits: Limits::default(),
@@ -114,6 +122,7 @@ impl Default for SandboxSpec {
             user: default_user(),
             allow_ptrace: false,
             network: NetworkPolicy::default(),
+            audit: false,
         }
     }
 }

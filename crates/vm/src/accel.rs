@@ -4,7 +4,7 @@
 //! verdict is cached per (host kernel, guest kernel) in `<state>/vm/accel.json`.
 
 use crate::vmm::{Accel, BootSpec, Vmm};
-use crate::{kit::Kit, VmError};
+use crate::{guest_kit::Kit, VmError};
 use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::path::Path;

@@ -7,7 +7,7 @@
 //! set the hostname; then serve the envd agent on the port, multiplexed by `cordon-channel`.
 //! Anything failing is printed on the console (the host shows it) and the VM powers off.
 
-use crate::preamble;
+use crate::link_handshake;
 use std::ffi::CString;
 use std::fs;
 use std::io;
@@ -111,7 +111,7 @@ fn init() -> Result<(), String> {
 
     step("root mounted");
     let link = open_port(&port)?;
-    let (cfg, now) = preamble::receive(&link).map_err(|e| format!("read the sandbox config from {port}: {e}"))?;
+    let (cfg, now) = link_handshake::receive(&link).map_err(|e| format!("read the sandbox config from {port}: {e}"))?;
     // The guest has no clock of its own (no RTC), and a restored one holds its snapshot's.
     set_clock(now)?;
     reseed(&cfg.seed)?;
@@ -144,7 +144,7 @@ fn init() -> Result<(), String> {
 
     // No network device at all, but loopback must work: servers inside are reached through it
     // (the agent's port forwarding connects to 127.0.0.1).
-    cordon_jail::loopback_up().map_err(|e| format!("bring up lo: {e}"))?;
+    cordon_host::sys::loopback_up().map_err(|e| format!("bring up lo: {e}"))?;
     let host = cfg.hostname.as_bytes();
     // SAFETY: pointer and length of a live byte slice.
     if unsafe { libc::sethostname(host.as_ptr().cast(), host.len()) } != 0 {

@@ -17,24 +17,25 @@
 //! left (cgroup, writable layer, socket).
 
 pub mod accel;
+pub mod backend;
 pub mod disk;
 pub mod guest;
 mod initramfs;
 pub mod jailer;
-pub mod kit;
+pub mod guest_kit;
 mod modules;
-pub mod preamble;
+pub mod link_handshake;
 mod qmp;
 pub mod snapshot;
 pub mod vmlinux;
 pub mod vmm;
 
 pub use accel::Verdict;
-pub use kit::Kit;
+pub use guest_kit::Kit;
 pub use vmm::{Accel, Qemu, Vmm};
 
 use cordon_image::Progress;
-use cordon_jail::{Cgroup, Layout};
+use cordon_host::{Cgroup, Layout};
 use cordon_spec::Limits;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -110,7 +111,7 @@ pub struct Prepared {
 pub struct VmTier {
     vm_dir: PathBuf,
     run_dir: PathBuf,
-    slots: cordon_jail::Slots,
+    slots: cordon_host::Slots,
     layout: Layout,
     exe: PathBuf,
     vmm: Box<dyn Vmm>,
@@ -137,7 +138,7 @@ impl VmTier {
         let vm_dir = state_dir.join("vm");
         let run_dir = vm_dir.join("run");
         fs::create_dir_all(&run_dir).map_err(io_err(format!("create {}", run_dir.display())))?;
-        let slots = cordon_jail::Slots::open(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
+        let slots = cordon_host::Slots::open(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
         let tier = VmTier { vm_dir, run_dir, slots, layout, exe, vmm };
         tier.reap_orphans();
         Ok(tier)
@@ -153,7 +154,7 @@ impl VmTier {
 
     /// Builds (once) the kit, chooses the accelerator and makes (once) the image's disk.
     pub fn prepare(&self, image: &str, rootfs: &Path, progress: &mut dyn Progress) -> Result<Prepared, VmError> {
-        let kit = kit::ensure(&self.vm_dir, &self.exe, progress)?;
+        let kit = guest_kit::ensure(&self.vm_dir, &self.exe, progress)?;
         let accel = accel::choose(&self.vm_dir, &*self.vmm, &kit)?;
         let root_disk = disk::root_disk(&self.vm_dir, image, rootfs, progress)?;
         Ok(Prepared { kit, accel, root_disk })
@@ -169,7 +170,7 @@ impl VmTier {
                 let _ = fs::remove_dir_all(&dir);
                 continue;
             };
-            if !flock_nb(&lock) {
+            if !cordon_host::sys::flock_exclusive_nb(&lock).unwrap_or(false) {
                 continue; // its owner is alive
             }
             if let Ok(rec) = fs::read(dir.join("record.json"))
@@ -282,7 +283,7 @@ impl VmTier {
                 return Err(io_err("create lock")(e));
             }
         };
-        flock_nb(&lock);
+        let _ = cordon_host::sys::flock_exclusive_nb(&lock);
         let mut vm = Vm {
             id: cfg.id.clone(),
             socket: dir.join("agent.sock"),
@@ -299,7 +300,7 @@ impl VmTier {
         };
         // From here on, dropping `vm` on any error undoes every step taken so far.
         let slot = self.slots.acquire().ok_or_else(|| VmError::BadRequest("no free uid range for the VMM".into()))?;
-        let uid = cordon_jail::UID_BASE + slot.index * cordon_jail::UID_COUNT;
+        let uid = cordon_host::UID_BASE + slot.index * cordon_host::UID_COUNT;
         vm.slot = Some(slot);
         vm.write_record()?;
         let vmm_limits = Limits {
@@ -394,7 +395,7 @@ impl VmTier {
         drop(passed);
         drop(cgroup_files);
         vm.pid = pid;
-        vm.pidfd = Some(pidfd_open(pid).map_err(io_err("pidfd_open VMM"))?);
+        vm.pidfd = Some(cordon_host::sys::pidfd_open(pid).map_err(io_err("pidfd_open VMM"))?);
         vm.write_record()?;
         if spec.monitor_fd.is_some() {
             // A template is done booting when its guest asks for the config.
@@ -429,16 +430,16 @@ enum Start {
 
 /// What the VM thread says to the guest before the agent link begins.
 enum Handshake {
-    Fresh(preamble::GuestConfig),
+    Fresh(link_handshake::GuestConfig),
     /// The guest asked for its config before its snapshot was taken.
-    Restored(preamble::GuestConfig),
+    Restored(link_handshake::GuestConfig),
     Template,
 }
 
-fn guest_config(cfg: &VmConfig) -> Result<preamble::GuestConfig, VmError> {
+fn guest_config(cfg: &VmConfig) -> Result<link_handshake::GuestConfig, VmError> {
     let mut seed = vec![0u8; 32];
     getrandom::fill(&mut seed).map_err(|e| VmError::Io { what: "seed for the guest".into(), source: io::Error::other(e) })?;
-    Ok(preamble::GuestConfig { hostname: cfg.id.clone(), agent: cfg.agent.clone(), seed })
+    Ok(link_handshake::GuestConfig { hostname: cfg.id.clone(), agent: cfg.agent.clone(), seed })
 }
 
 /// The boot as the VMM sees it inside its jail. Nothing in it names one VM, so VMs with the
@@ -503,10 +504,10 @@ fn vm_thread(
     // The exchange before the agent link: it ends with an error if the VMM dies (EOF).
     let _ = host_end.set_read_timeout(Some(BOOT_DEADLINE));
     let said = match handshake {
-        Handshake::Fresh(cfg) => preamble::await_ready(&mut host_end).and_then(|()| preamble::send(&mut host_end, &cfg)),
-        Handshake::Restored(cfg) => preamble::send(&mut host_end, &cfg),
+        Handshake::Fresh(cfg) => link_handshake::await_ready(&mut host_end).and_then(|()| link_handshake::send(&mut host_end, &cfg)),
+        Handshake::Restored(cfg) => link_handshake::send(&mut host_end, &cfg),
         Handshake::Template => {
-            let r = preamble::await_ready(&mut host_end);
+            let r = link_handshake::await_ready(&mut host_end);
             let failed = r.is_err();
             let _ = ready.send(r);
             if !failed {
@@ -542,7 +543,7 @@ pub struct Vm {
     dir: PathBuf,
     socket: PathBuf,
     cgroup: Cgroup,
-    slot: Option<cordon_jail::Slot>,
+    slot: Option<cordon_host::Slot>,
     _lock: fs::File,
     pid: i32,
     pidfd: Option<OwnedFd>,
@@ -710,11 +711,6 @@ fn parse_vmstat_oom(text: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn flock_nb(f: &fs::File) -> bool {
-    // SAFETY: flock on an open descriptor.
-    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
-}
-
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];
     // SAFETY: pipe2 writes two descriptors into the array.
@@ -723,16 +719,6 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: both descriptors were just created and are owned by nobody else.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
-}
-
-fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
-    // SAFETY: pidfd_open with integer arguments; on success the result is a new descriptor.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 #[cfg(test)]

@@ -65,7 +65,7 @@ impl Qmp {
         use std::os::fd::AsFd;
         // The descriptor travels on the `getfd` command that names it.
         let getfd = json!({ "execute": "getfd", "arguments": { "fdname": "snapshot" } });
-        cordon_jail::send_fd_with(self.writer.as_fd(), file.as_fd(), format!("{getfd}\n").as_bytes())?;
+        cordon_host::sys::send_fd_with(self.writer.as_fd(), file.as_fd(), format!("{getfd}\n").as_bytes())?;
         self.reply("getfd")?;
         self.execute("migrate", json!({ "uri": "fd:snapshot" }))?;
         let end = Instant::now() + deadline;

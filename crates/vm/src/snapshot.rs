@@ -1,7 +1,7 @@
 //! Starting VMs from a snapshot of a booted guest, as E2B does with Firecracker.
 //!
 //! A template VM boots cold with exactly the arguments a sandbox's VM would get and stops at
-//! the point where the guest init asks for its config (`R`, see [`crate::preamble`]): its
+//! the point where the guest init asks for its config (`R`, see [`crate::link_handshake`]): its
 //! kernel is up, its modules are loaded, its disks are mounted. The VMM then writes the
 //! machine's state into a file (QMP `migrate` to a descriptor), and its writable layer is kept
 //! next to it. A sandbox's VM then starts its VMM with `-incoming` on that file and a copy of
@@ -25,7 +25,6 @@ use crate::vmm::{BootSpec, Vmm};
 use sha2::{Digest, Sha256};
 use std::fs;
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -105,10 +104,8 @@ pub struct BuildLock {
 pub fn lock(snap: &Snapshot) -> io::Result<BuildLock> {
     let path = snap.dir.with_extension("lock");
     let f = fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path)?;
-    // SAFETY: flock on an open descriptor; blocks until the other builder is done.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    // Blocks until the other builder is done.
+    cordon_host::sys::flock_exclusive(&f)?;
     Ok(BuildLock { _file: f })
 }
 

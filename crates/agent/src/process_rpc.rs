@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 use tokio::time::Instant;
 
-use crate::http::Body;
+use crate::body::Body;
 use crate::process::{Proc, SpawnSpec, Subscription};
 use crate::rpc::{self, CallCtx, StreamTx};
 use crate::users::resolve_path;

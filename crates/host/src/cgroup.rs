@@ -27,8 +27,13 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// The layout of this host's `/sys/fs/cgroup`.
     pub fn detect() -> Layout {
-        let root = Path::new(ROOT);
+        Layout::detect_at(Path::new(ROOT))
+    }
+
+    /// The layout of the cgroup mounts under `root` (a temporary tree in tests).
+    pub fn detect_at(root: &Path) -> Layout {
         let unified = if root.join("cgroup.controllers").exists() {
             Some(root.to_path_buf())
         } else if root.join("unified/cgroup.controllers").exists() {
@@ -361,6 +366,77 @@ mod tests {
         let u = cg.unified.as_ref().unwrap();
         assert_eq!(fs::read_to_string(u.join("memory.max")).unwrap(), (64u64 << 20).to_string());
         assert!(!u.join("memory.kmem.tcp.limit_in_bytes").exists());
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// Marks `dir` as a cgroup mount: v2 when `controllers` is given, else v1.
+    fn mount(dir: &Path, controllers: Option<&str>) {
+        fs::create_dir_all(dir).unwrap();
+        match controllers {
+            Some(c) => fs::write(dir.join("cgroup.controllers"), c).unwrap(),
+            None => fs::write(dir.join("cgroup.procs"), "").unwrap(),
+        }
+    }
+
+    #[test]
+    fn v2_layout_is_detected_with_its_controllers() {
+        let root = fake_root("detect-v2");
+        mount(&root, Some("cpuset cpu io memory hugetlb pids rdma"));
+        let l = Layout::detect_at(&root);
+        assert_eq!(l.unified.as_deref(), Some(root.as_path()));
+        assert_eq!(l.v2_controllers, vec!["cpu", "memory", "pids"]);
+        assert!(l.v1.is_empty() && l.missing().is_empty());
+        assert!(l.describe().starts_with("v2 at "), "{}", l.describe());
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn hybrid_layout_takes_limits_from_v1_and_kill_from_unified() {
+        // This machine kind's shape: v1 controllers, a unified mount with no controllers.
+        let root = fake_root("detect-hybrid");
+        for c in ["memory", "pids", "cpu"] {
+            mount(&root.join(c), None);
+        }
+        mount(&root.join("unified"), Some(""));
+        let l = Layout::detect_at(&root);
+        assert_eq!(l.unified.as_deref(), Some(root.join("unified").as_path()));
+        assert!(l.v2_controllers.is_empty());
+        let v1: Vec<&str> = l.v1.iter().map(|(c, _)| c.as_str()).collect();
+        assert_eq!(v1, vec!["memory", "pids", "cpu"]);
+        assert!(l.describe().starts_with("hybrid: v1 memory pids cpu + v2 at "), "{}", l.describe());
+        let cg = Cgroup::plan(&l, "sb");
+        assert!(!cg.v2_limits);
+        assert_eq!(cg.procs_files().len(), 4);
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn v1_layout_without_pids_says_what_is_missing() {
+        let root = fake_root("detect-v1");
+        mount(&root.join("memory"), None);
+        mount(&root.join("cpu"), None);
+        let l = Layout::detect_at(&root);
+        assert!(l.unified.is_none());
+        assert_eq!(l.missing(), vec!["pids"]);
+        assert_eq!(l.describe(), "v1 memory cpu");
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn v1_limits_are_written_where_the_kernel_reads_them() {
+        let root = fake_root("limits-v1");
+        for c in ["memory", "pids", "cpu"] {
+            mount(&root.join(c), None);
+        }
+        let l = Layout::detect_at(&root);
+        let cg = Cgroup::plan(&l, "sb");
+        let limits = Limits { memory_bytes: 96 << 20, pids: 77, cpus: 0.5, ..Default::default() };
+        cg.create(&limits).unwrap();
+        let read = |c: &str, f: &str| fs::read_to_string(root.join(c).join("cordon/sb").join(f)).unwrap();
+        assert_eq!(read("memory", "memory.limit_in_bytes"), (96u64 << 20).to_string());
+        assert_eq!(read("pids", "pids.max"), "77");
+        assert_eq!(read("cpu", "cpu.cfs_period_us"), PERIOD_US.to_string());
+        assert_eq!(read("cpu", "cpu.cfs_quota_us"), (PERIOD_US / 2).to_string());
         fs::remove_dir_all(&root).unwrap();
     }
 

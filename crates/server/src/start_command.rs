@@ -61,7 +61,7 @@ impl Tail {
 }
 
 /// Starts `start` in the sandbox behind `socket` and waits until it is ready. `slowdown`
-/// (see [`crate::backend::Instance::slowdown`]) stretches the image's readiness timeout and the
+/// (see [`cordon_sandbox::Sandbox::slowdown`]) stretches the image's readiness timeout and the
 /// polling: under an emulated CPU the service starts that many times slower, and each probe
 /// costs the guest that much more.
 pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(), StartError> {
@@ -100,7 +100,7 @@ pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(
     loop {
         let now = Instant::now();
         if now >= next_probe {
-            match crate::proxy::port_open(socket, port).await {
+            match crate::agent_link::port_open(socket, port).await {
                 Ok(true) => {
                     tracing::debug!(port, ms = started.elapsed().as_millis() as u64, "start command ready");
                     return Ok(());

@@ -1,0 +1,119 @@
+//! The `gvisor` tier as a [`cordon_sandbox::Backend`]: images from the store, sandboxes run by
+//! runsc, egress through the forwarder on the sandbox's TUN device.
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::sync::Arc;
+
+use cordon_sandbox::{egress::Egress, Backend, Blocked, Capabilities, Error, Host, SandboxSpec};
+use cordon_spec::{NetworkPolicy, Tier};
+
+use crate::Gvisor;
+
+/// What gvisor sandboxes support: egress, but no host syscall audit (gVisor's own kernel
+/// answers every call, so the host's filter has nothing to record).
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true };
+
+/// The tier table's row for gvisor.
+pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Gvisor, capabilities: CAPABILITIES, open };
+
+/// Opens the tier (runsc found and usable), reaping what a crashed cordon left of it.
+pub fn open(host: &Host) -> Result<Arc<dyn Backend>, Error> {
+    let store = cordon_image::Store::open(&host.state_dir).map_err(|e| Error::failed("open the image store", e))?;
+    let gv = Gvisor::open(&host.state_dir, &host.exe).map_err(|e| Error::Unavailable(e.to_string()))?;
+    Ok(Arc::new(GvisorBackend { gv, store, envd_version: host.envd_version.clone(), dns_upstream: host.dns_upstream }))
+}
+
+/// The `gvisor` tier: images from the store, sandboxes run by runsc.
+pub struct GvisorBackend {
+    gv: Gvisor,
+    store: cordon_image::Store,
+    envd_version: Option<String>,
+    dns_upstream: Option<std::net::SocketAddr>,
+}
+
+struct GvisorSandbox {
+    sandbox: crate::Sandbox,
+    egress: Egress,
+    start: Option<cordon_image::StartCommand>,
+}
+
+impl cordon_sandbox::Sandbox for GvisorSandbox {
+    fn socket_path(&self) -> &Path {
+        self.sandbox.socket_path()
+    }
+
+    fn death_fd(&self) -> Option<OwnedFd> {
+        self.sandbox.pidfd().and_then(|fd| fd.try_clone().ok())
+    }
+
+    fn memory_current(&self) -> u64 {
+        self.sandbox.cgroup().memory_current()
+    }
+
+    fn cpu_usage_usec(&self) -> u64 {
+        self.sandbox.cgroup().cpu_usage_usec()
+    }
+
+    fn disk_usage(&self) -> (u64, u64) {
+        self.sandbox.disk_usage()
+    }
+
+    fn kill(&self) {
+        self.sandbox.kill()
+    }
+
+    fn oom_kills(&self) -> u64 {
+        self.sandbox.cgroup().oom_kills()
+    }
+
+    fn peak_memory(&self) -> u64 {
+        self.sandbox.cgroup().peak_memory()
+    }
+
+    fn blocked(&self) -> Vec<Blocked> {
+        self.egress.blocked()
+    }
+
+    fn set_network(&self, policy: NetworkPolicy) -> Result<(), Error> {
+        self.egress.set_network(policy)
+    }
+
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        self.start.as_ref()
+    }
+
+    fn destroy(&mut self) -> Result<(), Error> {
+        // The forwarder goes first: nothing is dialled for a sandbox being torn down.
+        self.egress.stop();
+        self.sandbox.destroy().map_err(|e| Error::failed("teardown", e))
+    }
+}
+
+impl Backend for GvisorBackend {
+    fn capabilities(&self, _tier: Tier) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
+        CAPABILITIES.check_network(Tier::Gvisor, &spec.network)?;
+        let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
+        spec.validate()?;
+        if spec.allow_ptrace {
+            // gVisor implements ptrace in its own kernel: nothing to open up on the host.
+            tracing::debug!(id = %spec.id, "allow_ptrace has no effect under gVisor");
+        }
+        let agent_cfg = cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref());
+        let cfg = crate::SandboxConfig {
+            id: spec.id.clone(),
+            rootfs: image.rootfs.clone(),
+            limits: spec.limits.clone(),
+            agent_config: cordon_agent::encode_config(&agent_cfg),
+            tun: spec.network.is_enabled(),
+        };
+        let mut sandbox = self.gv.create(&cfg).map_err(|e| Error::failed("gvisor tier", e))?;
+        let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
+        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, cordon_host::tun::MTU, self.dns_upstream)?;
+        Ok(Box::new(GvisorSandbox { sandbox, egress, start: image.meta.start.clone() }))
+    }
+}

@@ -1,0 +1,106 @@
+//! Checked wrappers over the host syscalls every tier needs (pidfds, locks, the loopback
+//! interface, passing descriptors). The ns tier's jailer has more of its own in `cordon-jail`.
+//!
+//! Each wrapper turns `-1` into an `io::Error` carrying errno and logs the step at `debug`, so a
+//! failed setup names the exact call that failed.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+/// `ret` as a result: a negative return is the errno, named after `what`.
+pub fn check(ret: libc::c_long, what: &str) -> io::Result<libc::c_long> {
+    if ret < 0 {
+        let e = io::Error::last_os_error();
+        tracing::debug!("{what}: {e}");
+        Err(io::Error::new(e.kind(), format!("{what}: {e}")))
+    } else {
+        tracing::debug!("{what}: ok");
+        Ok(ret)
+    }
+}
+
+/// A pidfd for `pid`: it becomes readable when the process exits.
+pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
+    // SAFETY: integer arguments; the returned fd is new and ours.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = check(r, "pidfd_open")?;
+    // SAFETY: fresh fd from the kernel.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Takes an exclusive lock without waiting: false when another process holds it.
+pub fn flock_exclusive_nb(fd: &impl AsRawFd) -> io::Result<bool> {
+    // SAFETY: flock on a valid fd.
+    let r = unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// Takes an exclusive lock, waiting for a holder to let go.
+pub fn flock_exclusive(fd: &impl AsRawFd) -> io::Result<()> {
+    loop {
+        // SAFETY: flock on a valid fd.
+        if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Brings the loopback interface of the current network namespace up.
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: a plain socket used only for the interface ioctls below, closed by OwnedFd.
+    let s = check(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) } as _, "socket")?;
+    // SAFETY: fresh fd from the kernel.
+    let sock = unsafe { OwnedFd::from_raw_fd(s as RawFd) };
+    // SAFETY: zeroed ifreq is valid; the name is copied in with its NUL terminator in range.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, b) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *d = *b as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS fills ifr_ifru.ifru_flags of a valid ifreq.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } as _, "SIOCGIFFLAGS lo")?;
+    // SAFETY: the flags union member was just written by the kernel.
+    unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+    // SAFETY: as above, now setting the flags.
+    check(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } as _, "SIOCSIFFLAGS lo").map(drop)
+}
+
+/// Sends `data` in one message with `fd` attached (for protocols such as QMP's `getfd`, where
+/// the descriptor rides on a command).
+pub fn send_fd_with(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>, data: &[u8]) -> io::Result<()> {
+    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut _, iov_len: data.len() };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: zeroed msghdr, then every pointer set to buffers that outlive sendmsg.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: the control buffer is CMSG_SPACE bytes, large enough for one fd's cmsghdr.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut RawFd, fd.as_raw_fd());
+    }
+    // SAFETY: msg is fully initialised above.
+    let sent = check(unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) } as _, "sendmsg fd")?;
+    if sent as usize != data.len() {
+        return Err(io::Error::other("sendmsg with a descriptor: short write"));
+    }
+    Ok(())
+}

@@ -1,0 +1,137 @@
+//! The `ns` tier as a [`cordon_sandbox::Backend`]: images from the store, sandboxes from the
+//! [`Jail`], egress through the forwarder on the sandbox's TUN device.
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::sync::Arc;
+
+use cordon_sandbox::{egress::Egress, Backend, Blocked, Capabilities, Denial, Error, Host, SandboxSpec};
+use cordon_spec::{NetworkPolicy, Tier};
+
+use crate::Jail;
+
+/// What ns sandboxes support: all of it.
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: true, host_oom_count: true };
+
+/// The tier table's row for ns.
+pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Ns, capabilities: CAPABILITIES, open };
+
+/// Opens the tier, reaping what a crashed cordon left of it.
+pub fn open(host: &Host) -> Result<Arc<dyn Backend>, Error> {
+    let store = cordon_image::Store::open(&host.state_dir).map_err(|e| Error::failed("open the image store", e))?;
+    let jail = Jail::open(&host.state_dir, host.exe.clone()).map_err(|e| Error::Unavailable(e.to_string()))?;
+    Ok(Arc::new(JailBackend { jail, store, envd_version: host.envd_version.clone(), dns_upstream: host.dns_upstream }))
+}
+
+/// The `ns` tier: images from the store, sandboxes from the jail.
+pub struct JailBackend {
+    jail: Jail,
+    store: cordon_image::Store,
+    envd_version: Option<String>,
+    dns_upstream: Option<std::net::SocketAddr>,
+}
+
+struct JailSandbox {
+    sandbox: crate::Sandbox,
+    egress: Egress,
+    start: Option<cordon_image::StartCommand>,
+}
+
+impl cordon_sandbox::Sandbox for JailSandbox {
+    fn socket_path(&self) -> &Path {
+        self.sandbox.socket_path()
+    }
+
+    fn death_fd(&self) -> Option<OwnedFd> {
+        self.sandbox.pidfd().and_then(|fd| fd.try_clone_to_owned().ok())
+    }
+
+    fn memory_current(&self) -> u64 {
+        self.sandbox.cgroup().memory_current()
+    }
+
+    fn cpu_usage_usec(&self) -> u64 {
+        self.sandbox.cgroup().cpu_usage_usec()
+    }
+
+    fn disk_usage(&self) -> (u64, u64) {
+        self.sandbox.disk_usage()
+    }
+
+    fn kill(&self) {
+        self.sandbox.kill()
+    }
+
+    fn oom_kills(&self) -> u64 {
+        self.sandbox.oom_kills()
+    }
+
+    fn peak_memory(&self) -> u64 {
+        self.sandbox.peak_memory()
+    }
+
+    fn landlock(&self) -> Option<String> {
+        Some(self.sandbox.landlock().to_string())
+    }
+
+    fn denials(&self) -> Vec<Denial> {
+        self.sandbox.denials()
+    }
+
+    fn blocked(&self) -> Vec<Blocked> {
+        self.egress.blocked()
+    }
+
+    fn set_network(&self, policy: NetworkPolicy) -> Result<(), Error> {
+        self.egress.set_network(policy)
+    }
+
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        self.start.as_ref()
+    }
+
+    fn destroy(&mut self) -> Result<(), Error> {
+        // The forwarder goes first: nothing is dialled for a sandbox being torn down.
+        self.egress.stop();
+        self.sandbox.destroy().map_err(|e| Error::failed("teardown", e))
+    }
+}
+
+/// Ports for Landlock's TCP connect rules: only when every allow rule names ports (see the
+/// landlock module for why), and not absurdly many of them.
+fn landlock_ports(policy: &NetworkPolicy) -> Option<Vec<(u16, u16)>> {
+    if !policy.is_enabled() {
+        return None;
+    }
+    let ports = policy.allowed_ports()?;
+    let total: u32 = ports.iter().map(|(lo, hi)| u32::from(hi - lo) + 1).sum();
+    (total <= 1024).then_some(ports)
+}
+
+impl Backend for JailBackend {
+    fn capabilities(&self, _tier: Tier) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
+        let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
+        spec.validate()?;
+        let mut agent_cfg = cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref());
+        // With ptrace off, no command may open another's memory through /proc either.
+        agent_cfg.isolate_commands = !spec.allow_ptrace;
+        let cfg = crate::SandboxConfig {
+            id: spec.id.clone(),
+            rootfs: image.rootfs.clone(),
+            limits: spec.limits.clone(),
+            agent_config: cordon_agent::encode_config(&agent_cfg),
+            allow_ptrace: spec.allow_ptrace,
+            audit: spec.audit,
+            tun: spec.network.is_enabled(),
+            connect_ports: landlock_ports(&spec.network),
+        };
+        let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
+        let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
+        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, crate::tun::MTU, self.dns_upstream)?;
+        Ok(Box::new(JailSandbox { sandbox, egress, start: image.meta.start.clone() }))
+    }
+}

@@ -1,0 +1,23 @@
+//! The agent's configuration for a sandbox, the same on every tier.
+
+use std::path::PathBuf;
+
+use crate::SandboxSpec;
+
+/// The agent's configuration for `spec`: the image's environment, then the spec's.
+pub fn config(spec: &SandboxSpec, image: &cordon_image::Image, envd_version: Option<&str>) -> cordon_agent::AgentConfig {
+    let mut env = image.meta.env.clone();
+    for (k, v) in &spec.env {
+        env.retain(|(ek, _)| ek != k);
+        env.push((k.clone(), v.clone()));
+    }
+    cordon_agent::AgentConfig {
+        sandbox_id: spec.id.clone(),
+        default_user: spec.user.clone(),
+        workdir: spec.workdir.clone(),
+        env,
+        root: PathBuf::from("/"),
+        envd_version: envd_version.map(str::to_string),
+        isolate_commands: false,
+    }
+}

@@ -1,0 +1,67 @@
+//! A tier: [`Backend`], what it can do ([`Capabilities`]), and what it needs of the host
+//! ([`Host`]).
+
+use std::path::PathBuf;
+
+use cordon_spec::{NetworkPolicy, Tier};
+
+use crate::{Error, Sandbox, SandboxSpec};
+
+/// What a tier supports, asked by the front ends instead of comparing tier names.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Enforces a network allowlist (the egress forwarder); without it a policy is refused.
+    pub egress: bool,
+    /// The host's syscall filter records what it denies (`Sandbox::denials`).
+    pub syscall_audit: bool,
+    /// The OOM-kill count is the host's own and costs nothing to read; `false` when it is a
+    /// round trip to the sandbox (a guest kernel's count), asked only when it can matter.
+    pub host_oom_count: bool,
+}
+
+impl Capabilities {
+    /// Refuses a network policy this tier cannot enforce rather than run with less than asked.
+    pub fn check_network(&self, tier: Tier, network: &NetworkPolicy) -> Result<(), Error> {
+        if network.is_enabled() && !self.egress {
+            return Err(Error::BadRequest(format!(
+                "network allowlists are enforced on the ns and gvisor tiers only so far; the {tier} tier runs with no network: drop the network rules or use another tier"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Everything a tier may need to open: the state directory, the binary, the agent's version and
+/// the egress forwarder's resolver.
+#[derive(Debug, Clone)]
+pub struct Host {
+    /// cordon's state directory (`/var/lib/cordon`).
+    pub state_dir: PathBuf,
+    /// The cordon binary, re-run as jailer or used as the sandbox's agent.
+    pub exe: PathBuf,
+    /// The envd version the agent reports (`None`: the agent's own default).
+    pub envd_version: Option<String>,
+    /// Where the egress forwarder resolves allowed names (`None`: the host's resolv.conf).
+    pub dns_upstream: Option<std::net::SocketAddr>,
+}
+
+/// A tier that makes sandboxes. `create` blocks; async front ends call it on a blocking thread.
+pub trait Backend: Send + Sync {
+    /// What sandboxes of `tier` support here. A single-tier backend answers for its own tier.
+    fn capabilities(&self, tier: Tier) -> Capabilities;
+
+    /// Makes whatever the first sandbox of `image` would otherwise make on its own (a VM's
+    /// guest kit and disk), reporting progress; returns a one-line summary when something was
+    /// prepared. Tiers with nothing to prepare do nothing.
+    fn prepare(
+        &self,
+        _spec: &SandboxSpec,
+        _image: &cordon_image::Image,
+        _progress: &mut dyn cordon_image::Progress,
+    ) -> Result<Option<String>, Error> {
+        Ok(None)
+    }
+
+    /// Creates a sandbox from `spec`, or says why not; never a half-made one.
+    fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, Error>;
+}

@@ -1,0 +1,55 @@
+//! The egress forwarder of a sandbox with a TUN device, shared by the tiers that have one.
+
+use std::net::IpAddr;
+use std::os::fd::OwnedFd;
+
+use cordon_spec::NetworkPolicy;
+
+use crate::{Blocked, Error};
+
+/// A sandbox's forwarder, if it has network access at all.
+#[derive(Default)]
+pub struct Egress(Option<cordon_net::Egress>);
+
+impl Egress {
+    /// Serves a new sandbox's TUN device (if it has one) on the caller's tokio runtime (the
+    /// server's, or `run`'s). `gateways` are the sandbox's gateway addresses, where DNS is
+    /// answered.
+    pub fn start(
+        tun: Option<OwnedFd>,
+        policy: &NetworkPolicy,
+        gateways: Vec<IpAddr>,
+        mtu: u16,
+        dns_upstream: Option<std::net::SocketAddr>,
+    ) -> Result<Egress, Error> {
+        let Some(tun) = tun else { return Ok(Egress(None)) };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::failed("start the sandbox's egress forwarder", "it needs a tokio runtime"));
+        }
+        let cfg = cordon_net::EgressConfig { gateways, dns_upstream, mtu };
+        cordon_net::Egress::start(tun, policy.clone(), cfg)
+            .map(|e| Egress(Some(e)))
+            .map_err(|e| Error::failed("start the sandbox's egress forwarder", e))
+    }
+
+    /// What the policy blocked so far.
+    pub fn blocked(&self) -> Vec<Blocked> {
+        self.0.as_ref().map(|e| e.blocked()).unwrap_or_default()
+    }
+
+    /// Replaces the policy; new connections follow it.
+    pub fn set_network(&self, policy: NetworkPolicy) -> Result<(), Error> {
+        match &self.0 {
+            Some(e) => {
+                e.update_policy(policy);
+                Ok(())
+            }
+            None => Err(Error::NoNetwork),
+        }
+    }
+
+    /// Stops it: nothing more is dialled for the sandbox (first step of a teardown).
+    pub fn stop(&mut self) {
+        self.0.take();
+    }
+}

@@ -1,0 +1,78 @@
+//! A live sandbox as the front ends see it: [`Sandbox`].
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+
+use cordon_spec::NetworkPolicy;
+
+use crate::{Blocked, Error};
+
+/// One kind of syscall the host's filter denied.
+#[derive(Debug, Clone, serde::Serialize, PartialEq, Eq)]
+pub struct Denial {
+    pub syscall: String,
+    pub count: u64,
+    /// Pids inside the sandbox that tried it (the first few).
+    pub pids: Vec<u32>,
+}
+
+/// A live sandbox. Only `socket_path`, `death_fd`, `memory_current` and `destroy` are required;
+/// the rest have defaults for tiers that cannot tell (what a tier can tell is in its
+/// [`crate::Capabilities`]).
+pub trait Sandbox: Send {
+    /// The agent's socket.
+    fn socket_path(&self) -> &Path;
+    /// A pidfd that becomes readable when the sandbox dies, if the tier has one.
+    fn death_fd(&self) -> Option<OwnedFd>;
+    /// Memory in use now, in bytes.
+    fn memory_current(&self) -> u64;
+    /// Whether its init has exited, as far as the tier can tell (false when it cannot).
+    fn is_dead(&self) -> bool {
+        self.death_fd().is_some_and(|fd| crate::lifecycle::is_dead(&fd))
+    }
+    /// CPU time used so far, in microseconds.
+    fn cpu_usage_usec(&self) -> u64 {
+        0
+    }
+    /// Bytes used and total of the writable layer.
+    fn disk_usage(&self) -> (u64, u64) {
+        (0, 0)
+    }
+    /// Kills every process of the sandbox now, without waiting; `destroy` still has to follow.
+    fn kill(&self) {}
+    /// How many times the memory cap killed a process.
+    fn oom_kills(&self) -> u64 {
+        0
+    }
+    /// Highest memory use seen, in bytes (0 when unknown).
+    fn peak_memory(&self) -> u64 {
+        0
+    }
+    /// How much Landlock the kernel enforced (`full`, `partial`, `none`), where the tier uses it.
+    fn landlock(&self) -> Option<String> {
+        None
+    }
+    /// The syscalls the host's filter denied, when created with `audit` and the tier has one.
+    fn denials(&self) -> Vec<Denial> {
+        Vec::new()
+    }
+    /// The network attempts the egress policy blocked (destination, name, reason, count).
+    fn blocked(&self) -> Vec<Blocked> {
+        Vec::new()
+    }
+    /// Replaces the egress policy of a running sandbox; it applies to new connections.
+    fn set_network(&self, _policy: NetworkPolicy) -> Result<(), Error> {
+        Err(Error::NoNetwork)
+    }
+    /// The service the sandbox's image starts in every sandbox.
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        None
+    }
+    /// How many times slower than the host the sandbox runs code (an emulated CPU): waits on
+    /// work inside it, like its start command's readiness, are stretched by this.
+    fn slowdown(&self) -> u32 {
+        1
+    }
+    /// Kills it and removes every trace. Blocking.
+    fn destroy(&mut self) -> Result<(), Error>;
+}

@@ -1,0 +1,120 @@
+//! The `vm` tier as a [`cordon_sandbox::Backend`]: images from the store, each sandbox a microVM
+//! with its own kernel, started from a snapshot of a booted template where it can be.
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::sync::Arc;
+
+use cordon_sandbox::{Backend, Capabilities, Error, Host, SandboxSpec};
+use cordon_spec::Tier;
+
+use crate::{VmError, VmTier};
+
+/// What vm sandboxes support: no egress forwarder yet, no host syscall audit (the guest kernel
+/// answers), and the OOM count is the guest's (a round trip through the agent).
+pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false };
+
+/// The tier table's row for vm.
+pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open };
+
+/// Opens the tier (a VMM found, cgroups usable), reaping what a crashed cordon left of it.
+pub fn open(host: &Host) -> Result<Arc<dyn Backend>, Error> {
+    let store = cordon_image::Store::open(&host.state_dir).map_err(|e| Error::failed("open the image store", e))?;
+    let tier = VmTier::open(&host.state_dir, host.exe.clone()).map_err(|e| Error::Unavailable(e.to_string()))?;
+    Ok(Arc::new(VmBackend { tier, store, envd_version: host.envd_version.clone() }))
+}
+
+/// The `vm` tier: images from the store, each sandbox a microVM with its own kernel.
+pub struct VmBackend {
+    tier: VmTier,
+    store: cordon_image::Store,
+    envd_version: Option<String>,
+}
+
+fn vm_err(what: &'static str) -> impl Fn(VmError) -> Error {
+    move |e| match e {
+        VmError::BadRequest(m) => Error::BadRequest(m),
+        VmError::Unsupported(m) => Error::Unavailable(m),
+        e => Error::failed(what, e),
+    }
+}
+
+struct VmSandbox {
+    vm: crate::Vm,
+    start: Option<cordon_image::StartCommand>,
+}
+
+impl cordon_sandbox::Sandbox for VmSandbox {
+    fn socket_path(&self) -> &Path {
+        self.vm.socket_path()
+    }
+
+    fn death_fd(&self) -> Option<OwnedFd> {
+        self.vm.pidfd().and_then(|fd| fd.try_clone_to_owned().ok())
+    }
+
+    fn memory_current(&self) -> u64 {
+        self.vm.memory_current()
+    }
+
+    fn cpu_usage_usec(&self) -> u64 {
+        self.vm.cgroup().cpu_usage_usec()
+    }
+
+    fn kill(&self) {
+        self.vm.kill()
+    }
+
+    fn oom_kills(&self) -> u64 {
+        self.vm.oom_kills()
+    }
+
+    fn peak_memory(&self) -> u64 {
+        self.vm.peak_memory()
+    }
+
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        self.start.as_ref()
+    }
+
+    fn slowdown(&self) -> u32 {
+        self.vm.accel().slowdown()
+    }
+
+    fn destroy(&mut self) -> Result<(), Error> {
+        self.vm.destroy().map_err(|e| Error::failed("teardown", e))
+    }
+}
+
+impl Backend for VmBackend {
+    fn capabilities(&self, _tier: Tier) -> Capabilities {
+        CAPABILITIES
+    }
+
+    /// The guest kit (built and cached on first use), the accelerator verdict and the image's
+    /// disk; `create` then finds them cached.
+    fn prepare(
+        &self,
+        _spec: &SandboxSpec,
+        image: &cordon_image::Image,
+        progress: &mut dyn cordon_image::Progress,
+    ) -> Result<Option<String>, Error> {
+        let prep = self.tier.prepare(&image.name, &image.rootfs, progress).map_err(vm_err("prepare the VM"))?;
+        Ok(Some(format!("guest kernel {}, {} ({})", prep.kit.kernel_version, prep.accel.accel.as_str(), prep.accel.reason)))
+    }
+
+    fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
+        CAPABILITIES.check_network(Tier::Vm, &spec.network)?;
+        let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
+        spec.validate()?;
+        // Cached after the first VM of an image: the kit, the KVM/TCG verdict and the disk.
+        let prep = self.tier.prepare(&image.name, &image.rootfs, &mut cordon_image::NoProgress).map_err(vm_err("prepare the VM"))?;
+        let cfg = crate::VmConfig {
+            id: spec.id.clone(),
+            limits: spec.limits.clone(),
+            agent: cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref()),
+        };
+        let vm = self.tier.create(&cfg, &prep).map_err(vm_err("create the VM"))?;
+        Ok(Box::new(VmSandbox { vm, start: image.meta.start.clone() }))
+    }
+}
