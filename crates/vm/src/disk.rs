@@ -55,8 +55,23 @@ pub fn root_disk(vm_dir: &Path, image: &str, rootfs: &Path, progress: &mut dyn P
     if path.is_file() {
         return Ok(path);
     }
-    progress.stage(0, 1, &format!("make the disk of image {image}"));
     fs::create_dir_all(&dir).map_err(|e| VmError::Disk(format!("create {}: {e}", dir.display())))?;
+    // One maker at a time, and a disk once made is never replaced: a VM restored from a template
+    // snapshot reopens the disk by path with the template's page cache of it in its memory, so a
+    // second, differently laid out copy renamed over the first (two first VMs of an image racing
+    // here) corrupts the guest's view of its root ("EXT4-fs error ... checksumming directory").
+    let lock_path = dir.join(format!(".{image}.lock"));
+    let lock = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| VmError::Disk(format!("open {}: {e}", lock_path.display())))?;
+    cordon_host::sys::flock_exclusive(&lock).map_err(|e| VmError::Disk(format!("lock {}: {e}", lock_path.display())))?;
+    if path.is_file() {
+        return Ok(path);
+    }
+    progress.stage(0, 1, &format!("make the disk of image {image}"));
     let (bytes, inodes) = tree_usage(rootfs);
     // ext4 metadata, directories and block rounding: a fifth more, plus room for small images.
     let size_mib = (bytes + bytes / 5) / (1 << 20) + 64;
