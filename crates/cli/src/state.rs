@@ -46,7 +46,7 @@ impl State {
     ) -> Result<std::sync::Arc<dyn cordon_sandbox::Backend>> {
         self.ensure()?;
         let host = cordon_sandbox::Host { dns_upstream, ..self.host(None) };
-        let entry = crate::tiers::TABLE.iter().find(|e| e.tier == tier).expect("every tier has a row in the table");
+        let entry = cordon_sandbox::TierEntry::find(&crate::tiers::TABLE, tier).map_err(|e| crate::usage(e.to_string()))?;
         (entry.open)(&host).map_err(|e| crate::usage(e.to_string()))
     }
 

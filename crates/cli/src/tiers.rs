@@ -9,5 +9,5 @@ pub static TABLE: [TierEntry; 3] = [cordon_jail::backend::TIER, cordon_gvisor::b
 
 /// What sandboxes of `tier` support, known without opening the tier.
 pub fn capabilities(tier: Tier) -> cordon_sandbox::Capabilities {
-    TABLE.iter().find(|e| e.tier == tier).map(|e| e.capabilities).unwrap_or_default()
+    TierEntry::find(&TABLE, tier).map(|e| e.capabilities).unwrap_or_default()
 }

@@ -17,6 +17,13 @@ pub struct TierEntry {
     pub open: fn(&Host) -> Result<Arc<dyn Backend>, Error>,
 }
 
+impl TierEntry {
+    /// The row of `tier` in `table`, or why this build cannot run it.
+    pub fn find(table: &[TierEntry], tier: Tier) -> Result<&TierEntry, Error> {
+        table.iter().find(|e| e.tier == tier).ok_or_else(|| Error::Unavailable(format!("tier {tier} is not part of this build")))
+    }
+}
+
 /// Every tier of a table, each opened on first use. A tier the host cannot run is refused with
 /// the reason; it never falls back to another.
 pub struct Tiers {
@@ -31,10 +38,7 @@ impl Tiers {
     }
 
     fn entry(&self, tier: Tier) -> Result<&'static TierEntry, Error> {
-        self.table
-            .iter()
-            .find(|e| e.tier == tier)
-            .ok_or_else(|| Error::Unavailable(format!("tier {tier} is not part of this build")))
+        TierEntry::find(self.table, tier)
     }
 
     /// The backend of `tier`, opening it (and reaping what a crashed cordon left of it) on
