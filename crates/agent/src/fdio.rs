@@ -27,10 +27,10 @@ pub(crate) fn set_nonblocking(fd: RawFd) -> io::Result<()> {
     Ok(())
 }
 
-fn raw_read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+/// Runs a `read(2)`-like call until a signal no longer interrupts it.
+fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
     loop {
-        // SAFETY: buf is valid for writes of buf.len() bytes for the duration of the call.
-        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        let n = call();
         if n >= 0 {
             return Ok(n as usize);
         }
@@ -41,18 +41,14 @@ fn raw_read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
+fn raw_read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: buf is valid for writes of buf.len() bytes for the duration of the call.
+    retry_eintr(|| unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) })
+}
+
 fn raw_write(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
-    loop {
-        // SAFETY: buf is valid for reads of buf.len() bytes for the duration of the call.
-        let n = unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // SAFETY: buf is valid for reads of buf.len() bytes for the duration of the call.
+    retry_eintr(|| unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) })
 }
 
 impl Fd {

@@ -142,17 +142,23 @@ impl Agent {
     }
 }
 
+/// The agent of `serve` and `serve_link`. The shared child reaper listens first: it must be
+/// collecting exits before the agent can spawn anything.
+fn start_agent(config: AgentConfig) -> std::io::Result<Arc<Agent>> {
+    reaper::global().listen()?;
+    Ok(Arc::new(Agent {
+        processes: Arc::new(process::Processes::new(command_scope::Scope::prepare(config.isolate_commands))),
+        config,
+        watchers: watch::Watchers::default(),
+    }))
+}
+
 /// Serves the envd protocol on `listener` until accepting fails for good.
 ///
 /// Every `serve` in a process shares one child reaper, so several agents (as in tests) never
 /// take each other's exit statuses; it must run inside a tokio runtime with IO and time enabled.
 pub async fn serve(listener: tokio::net::UnixListener, config: AgentConfig) -> std::io::Result<()> {
-    reaper::global().listen()?;
-    let agent = Arc::new(Agent {
-        processes: Arc::new(process::Processes::new(command_scope::Scope::prepare(config.isolate_commands))),
-        config,
-        watchers: watch::Watchers::default(),
-    });
+    let agent = start_agent(config)?;
     http::run(listener, agent).await
 }
 
@@ -162,12 +168,7 @@ pub async fn serve_link<L>(link: L, config: AgentConfig) -> std::io::Result<()>
 where
     L: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    reaper::global().listen()?;
-    let agent = Arc::new(Agent {
-        processes: Arc::new(process::Processes::new(command_scope::Scope::prepare(config.isolate_commands))),
-        config,
-        watchers: watch::Watchers::default(),
-    });
+    let agent = start_agent(config)?;
     http::run_link(link, agent).await
 }
 

@@ -15,7 +15,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
@@ -328,6 +328,37 @@ impl ChildSetup {
         }
         Ok(())
     }
+
+    /// Prepares the child's identity and directory for `spec`; `controlling_tty` when its
+    /// stdio is a PTY slave.
+    fn new(
+        spec: &SpawnSpec,
+        controlling_tty: bool,
+        scope: Option<Arc<crate::command_scope::Scope>>,
+    ) -> Result<ChildSetup, ConnectError> {
+        // SAFETY: geteuid/getegid cannot fail and touch no memory.
+        let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        Ok(ChildSetup {
+            uid: spec.user.uid,
+            gid: spec.user.gid,
+            groups: spec.user.groups.clone(),
+            // Without privileges the only possible identity is the current one; asking for it
+            // anyway would fail on setgroups.
+            switch_user: euid == 0 || euid != spec.user.uid || egid != spec.user.gid,
+            cwd: CString::new(spec.cwd.as_os_str().as_bytes())
+                .map_err(|_| ConnectError::invalid_argument("cwd contains a NUL byte"))?,
+            controlling_tty,
+            scope,
+        })
+    }
+
+    /// Makes `cmd` apply this setup in the child, between `fork` and `exec`.
+    fn install(self, cmd: &mut Command) {
+        // SAFETY: `apply` only makes async-signal-safe syscalls on data prepared before fork.
+        unsafe {
+            cmd.pre_exec(move || self.apply());
+        }
+    }
 }
 
 fn pidfd_open(pid: u32) -> Option<OwnedFd> {
@@ -338,6 +369,111 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     }
     // SAFETY: fd is a descriptor the kernel just gave us; nothing else owns it.
     Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// The program, arguments and complete environment of `spec`; nothing of the agent's own
+/// environment leaks into the command.
+fn command(spec: &SpawnSpec) -> Command {
+    let mut cmd = Command::new(&spec.config.cmd);
+    cmd.args(&spec.config.args).env_clear();
+    for (k, v) in &spec.env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// Connects the child's stdio to a new PTY or to pipes; returns the PTY master, if any.
+fn attach_stdio(cmd: &mut Command, spec: &SpawnSpec) -> Result<Option<OwnedFd>, ConnectError> {
+    if let Some((cols, rows)) = spec.pty {
+        return attach_pty(cmd, cols, rows).map(Some);
+    }
+    cmd.stdin(if spec.stdin { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    Ok(None)
+}
+
+/// Opens a PTY and makes its slave all three of the child's stdio; returns the master.
+fn attach_pty(cmd: &mut Command, cols: u16, rows: u16) -> Result<OwnedFd, ConnectError> {
+    let pair = pty::open(cols, rows).map_err(|e| ConnectError::internal(format!("error opening a pty: {e}")))?;
+    let out = pair.slave.try_clone().map_err(|e| ConnectError::internal(e.to_string()))?;
+    let err = pair.slave.try_clone().map_err(|e| ConnectError::internal(e.to_string()))?;
+    cmd.stdin(Stdio::from(pair.slave)).stdout(Stdio::from(out)).stderr(Stdio::from(err));
+    Ok(pair.master)
+}
+
+/// Forks and execs `cmd` under the reaper; returns the child, its pidfd (when the kernel has
+/// them) and where its exit status will arrive.
+fn start_child(
+    mut cmd: Command,
+    config: &ProcessConfig,
+) -> Result<(Child, Option<OwnedFd>, oneshot::Receiver<WaitStatus>), ConnectError> {
+    let ((child, pidfd), exit) = reaper::global()
+        .spawn(|| {
+            let child = cmd.spawn()?;
+            let pid = child.id();
+            // Opened while reaping is held off, so it refers to this very child.
+            let pidfd = pidfd_open(pid);
+            Ok::<_, io::Error>((pid, (child, pidfd)))
+        })
+        .map_err(|e| start_error(config, e))?;
+    // Drops the parent's copies of the PTY slave, so the master sees EOF when the child exits.
+    drop(cmd);
+    Ok((child, pidfd, exit))
+}
+
+fn start_error(config: &ProcessConfig, e: io::Error) -> ConnectError {
+    let cmdline = std::iter::once(config.cmd.as_str())
+        .chain(config.args.iter().map(String::as_str))
+        .collect::<Vec<_>>()
+        .join(" ");
+    ConnectError::invalid_argument(format!("error starting process '{cmdline}': {e}"))
+}
+
+/// The agent's ends of a child's stdio, registered with the reactor.
+struct ChildFds {
+    master: Option<Arc<Fd>>,
+    stdin: Option<Fd>,
+    stdout: Option<Fd>,
+    stderr: Option<Fd>,
+}
+
+impl ChildFds {
+    fn register(child: &mut Child, master: Option<OwnedFd>) -> io::Result<ChildFds> {
+        let wrap = |fd: Option<OwnedFd>| -> io::Result<Option<Fd>> { fd.map(Fd::new).transpose() };
+        Ok(ChildFds {
+            master: master.map(Fd::new_pty_master).transpose()?.map(Arc::new),
+            stdin: wrap(child.stdin.take().map(OwnedFd::from))?,
+            stdout: wrap(child.stdout.take().map(OwnedFd::from))?,
+            stderr: wrap(child.stderr.take().map(OwnedFd::from))?,
+        })
+    }
+}
+
+/// Takes over the child's stdio. On failure the child is killed: the caller gets only an
+/// error, so nobody could ever see its output or stop it.
+fn adopt_fds(child: &mut Child, master: Option<OwnedFd>) -> Result<ChildFds, ConnectError> {
+    ChildFds::register(child, master).map_err(|e| {
+        let pid = child.id();
+        // SAFETY: kill with integer arguments; the child is ours and not yet reaped.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        ConnectError::internal(format!("error setting up the pipes of process {pid}: {e}"))
+    })
+}
+
+/// What the pump reads, in the order it reads it: the PTY master, or stdout then stderr.
+fn output_sources(master: Option<&Arc<Fd>>, stdout: Option<Fd>, stderr: Option<Fd>) -> Vec<Source> {
+    let mut sources = Vec::with_capacity(2);
+    if let Some(m) = master {
+        sources.push(Source { fd: m.clone(), kind: OutputKind::Pty });
+    }
+    if let Some(f) = stdout {
+        sources.push(Source { fd: Arc::new(f), kind: OutputKind::Stdout });
+    }
+    if let Some(f) = stderr {
+        sources.push(Source { fd: Arc::new(f), kind: OutputKind::Stderr });
+    }
+    sources
 }
 
 async fn read_opt(fd: Option<&Arc<Fd>>, buf: &mut [u8]) -> io::Result<usize> {
@@ -360,105 +496,33 @@ impl Processes {
     /// Spawns a process and returns it with the subscription of its starter (registered before
     /// any output is read, so none is lost).
     pub fn spawn(self: &Arc<Self>, spec: SpawnSpec) -> Result<(Arc<Proc>, Subscription), ConnectError> {
-        let cmdline = std::iter::once(spec.config.cmd.as_str())
-            .chain(spec.config.args.iter().map(String::as_str))
-            .collect::<Vec<_>>()
-            .join(" ");
-        let start_err = |e: io::Error| ConnectError::invalid_argument(format!("error starting process '{cmdline}': {e}"));
-
-        let mut cmd = Command::new(&spec.config.cmd);
-        cmd.args(&spec.config.args).env_clear();
-        for (k, v) in &spec.env {
-            cmd.env(k, v);
-        }
-
-        let mut master = None;
-        if let Some((cols, rows)) = spec.pty {
-            let pair = pty::open(cols, rows).map_err(|e| ConnectError::internal(format!("error opening a pty: {e}")))?;
-            let out = pair.slave.try_clone().map_err(|e| ConnectError::internal(e.to_string()))?;
-            let err = pair.slave.try_clone().map_err(|e| ConnectError::internal(e.to_string()))?;
-            cmd.stdin(Stdio::from(pair.slave)).stdout(Stdio::from(out)).stderr(Stdio::from(err));
-            master = Some(pair.master);
-        } else {
-            cmd.stdin(if spec.stdin { Stdio::piped() } else { Stdio::null() })
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-        }
-
-        // SAFETY: geteuid/getegid cannot fail and touch no memory.
-        let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
-        let setup = ChildSetup {
-            uid: spec.user.uid,
-            gid: spec.user.gid,
-            groups: spec.user.groups.clone(),
-            // Without privileges the only possible identity is the current one; asking for it
-            // anyway would fail on setgroups.
-            switch_user: euid == 0 || euid != spec.user.uid || egid != spec.user.gid,
-            cwd: CString::new(spec.cwd.as_os_str().as_bytes())
-                .map_err(|_| ConnectError::invalid_argument("cwd contains a NUL byte"))?,
-            controlling_tty: master.is_some(),
-            scope: self.scope.clone(),
-        };
-        // SAFETY: `apply` only makes async-signal-safe syscalls on data prepared before fork.
-        unsafe {
-            cmd.pre_exec(move || setup.apply());
-        }
-
-        let ((mut child, pidfd), exit) = reaper::global()
-            .spawn(|| {
-                let child = cmd.spawn()?;
-                let pid = child.id();
-                // Opened while reaping is held off, so it refers to this very child.
-                let pidfd = pidfd_open(pid);
-                Ok::<_, io::Error>((pid, (child, pidfd)))
-            })
-            .map_err(start_err)?;
-        // Drops the parent's copies of the PTY slave, so the master sees EOF when the child exits.
-        drop(cmd);
-
-        let pid = child.id();
-        let wrap = |fd: Option<OwnedFd>| -> io::Result<Option<Fd>> { fd.map(Fd::new).transpose() };
-        let fds = (|| -> io::Result<_> {
-            let master = master.map(Fd::new_pty_master).transpose()?.map(Arc::new);
-            let stdin = wrap(child.stdin.take().map(OwnedFd::from))?;
-            let stdout = wrap(child.stdout.take().map(OwnedFd::from))?;
-            let stderr = wrap(child.stderr.take().map(OwnedFd::from))?;
-            Ok((master, stdin, stdout, stderr))
-        })();
-        let (master, stdin, stdout, stderr) = match fds {
-            Ok(v) => v,
-            Err(e) => {
-                // SAFETY: kill with integer arguments; the child is ours and not yet reaped.
-                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-                return Err(ConnectError::internal(format!("error setting up the pipes of process {pid}: {e}")));
-            }
-        };
-
-        let mut sources = Vec::with_capacity(2);
-        if let Some(m) = &master {
-            sources.push(Source { fd: m.clone(), kind: OutputKind::Pty });
-        }
-        if let Some(f) = stdout {
-            sources.push(Source { fd: Arc::new(f), kind: OutputKind::Stdout });
-        }
-        if let Some(f) = stderr {
-            sources.push(Source { fd: Arc::new(f), kind: OutputKind::Stderr });
-        }
-
+        let mut cmd = command(&spec);
+        let master = attach_stdio(&mut cmd, &spec)?;
+        ChildSetup::new(&spec, master.is_some(), self.scope.clone())?.install(&mut cmd);
+        let (mut child, pidfd, exit) = start_child(cmd, &spec.config)?;
+        let fds = adopt_fds(&mut child, master)?;
+        let sources = output_sources(fds.master.as_ref(), fds.stdout, fds.stderr);
         let proc = Arc::new(Proc {
-            pid,
+            pid: child.id(),
             tag: spec.tag,
             config: spec.config,
-            stdin: tokio::sync::Mutex::new(stdin),
-            pty: master,
+            stdin: tokio::sync::Mutex::new(fds.stdin),
+            pty: fds.master,
             pidfd,
             state: Mutex::new(State::default()),
             deadline_hit: AtomicBool::new(false),
         });
-        let sub = proc.subscribe(false);
-        self.lock().insert(pid, proc.clone());
-        tokio::spawn(pump(proc.clone(), sources, exit, Arc::downgrade(self)));
+        let sub = self.register(&proc, sources, exit);
         Ok((proc, sub))
+    }
+
+    /// Subscribes the starter, lists the process and starts its pump, in that order: the
+    /// subscription must exist before the pump reads the first chunk.
+    fn register(self: &Arc<Self>, proc: &Arc<Proc>, sources: Vec<Source>, exit: oneshot::Receiver<WaitStatus>) -> Subscription {
+        let sub = proc.subscribe(false);
+        self.lock().insert(proc.pid, proc.clone());
+        tokio::spawn(pump(proc.clone(), sources, exit, Arc::downgrade(self)));
+        sub
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<u32, Arc<Proc>>> {

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use crate::body::Body;
 use crate::process::{Proc, SpawnSpec, Subscription};
-use crate::rpc::{self, CallCtx, StreamTx};
+use crate::rpc::{self, CallCtx, Heartbeat, StreamTx};
 use crate::users::resolve_path;
 use crate::{pty, Agent};
 
@@ -144,13 +144,6 @@ enum StreamKind {
     Connect { deadline: Option<Instant> },
 }
 
-async fn sleep_until_opt(t: Option<Instant>) {
-    match t {
-        Some(t) => tokio::time::sleep_until(t).await,
-        None => std::future::pending().await,
-    }
-}
-
 fn event(e: ProcessEvent) -> StartResponse {
     StartResponse { event: Some(e) }
 }
@@ -165,7 +158,7 @@ async fn stream_events(tx: StreamTx, proc: Arc<Proc>, mut sub: Subscription, kee
         StreamKind::Connect { deadline } => deadline,
         StreamKind::Start => None,
     };
-    let mut quiet_until = Instant::now() + keepalive;
+    let mut beat = Heartbeat::new(keepalive, deadline);
     loop {
         tokio::select! {
             biased;
@@ -174,21 +167,16 @@ async fn stream_events(tx: StreamTx, proc: Arc<Proc>, mut sub: Subscription, kee
                     if tx.send(&event(ProcessEvent::Data(d))).await.is_err() {
                         return;
                     }
-                    quiet_until = Instant::now() + keepalive;
+                    beat.sent();
                 }
                 None => break,
             },
-            _ = tokio::time::sleep_until(quiet_until) => {
-                if tx.send(&event(ProcessEvent::Keepalive(Default::default()))).await.is_err() {
+            idle = beat.idle(&tx) => {
+                let ping = event(ProcessEvent::Keepalive(Default::default()));
+                if beat.answer(idle, &tx, &ping).await.is_break() {
                     return;
                 }
-                quiet_until = Instant::now() + keepalive;
             }
-            _ = sleep_until_opt(deadline) => {
-                tx.finish(Some(ConnectError::new(Code::DeadlineExceeded, "deadline exceeded"))).await;
-                return;
-            }
-            _ = tx.closed() => return,
         }
     }
     let Some(end) = sub.end() else {

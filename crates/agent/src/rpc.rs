@@ -2,6 +2,7 @@
 //! client-streaming responses.
 
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -16,6 +17,7 @@ use hyper::{Request, Response, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use crate::body::{read_limited, Body};
 use crate::users::parse_basic_auth;
@@ -111,6 +113,21 @@ fn parse<T: DeserializeOwned>(data: &[u8]) -> Result<T, ConnectError> {
     serde_json::from_slice(data).map_err(|e| ConnectError::invalid_argument(format!("invalid request message: {e}")))
 }
 
+/// The content type and context of a call, or the response that refuses it. A codec other than
+/// JSON is refused alike for every kind of call; a bad header the way `error` answers for this kind.
+/// (Boxed: a response is too large to pass around as an error.)
+fn accept(
+    headers: &HeaderMap,
+    error: fn(&ConnectError) -> Response<Body>,
+) -> Result<(String, CallCtx), Box<Response<Body>>> {
+    let ct = content_type(headers).to_string();
+    if is_proto_codec(&ct) {
+        return Err(Box::new(unsupported_media(&ct)));
+    }
+    let ctx = CallCtx::from_headers(headers).map_err(|e| Box::new(error(&e)))?;
+    Ok((ct, ctx))
+}
+
 /// Serves a unary call: JSON in, JSON out; `Connect-Timeout-Ms` bounds the handler.
 pub(crate) async fn unary<Req, Resp, F, Fut>(req: Request<Incoming>, handler: F) -> Response<Body>
 where
@@ -119,13 +136,9 @@ where
     F: FnOnce(Req, CallCtx) -> Fut,
     Fut: Future<Output = Result<Resp, ConnectError>>,
 {
-    let ct = content_type(req.headers()).to_string();
-    if is_proto_codec(&ct) {
-        return unsupported_media(&ct);
-    }
-    let ctx = match CallCtx::from_headers(req.headers()) {
-        Ok(c) => c,
-        Err(e) => return unary_error(&e),
+    let (_, ctx) = match accept(req.headers(), unary_error) {
+        Ok(v) => v,
+        Err(refused) => return *refused,
     };
     let body = match read_limited(req.into_body(), MAX_REQUEST).await {
         Ok(b) => b,
@@ -174,12 +187,85 @@ impl StreamTx {
 
     /// Ends the stream, with an error or with `{}`.
     pub async fn finish(self, error: Option<ConnectError>) {
-        let _ = self.tx.send(encode_end_stream(error.as_ref())).await;
+        self.end(error.as_ref()).await;
+    }
+
+    /// Sends the end-stream message; the caller sends nothing after it.
+    async fn end(&self, error: Option<&ConnectError>) {
+        let _ = self.tx.send(encode_end_stream(error)).await;
     }
 
     /// Resolves once the connection has dropped the response body.
     pub async fn closed(&self) {
         self.tx.closed().await
+    }
+}
+
+/// What a response stream with nothing to send wakes up for.
+pub(crate) enum Idle {
+    /// It has been quiet for the keepalive period.
+    Keepalive,
+    /// The call's deadline has passed.
+    Deadline,
+    /// The client has gone away.
+    Gone,
+}
+
+/// The clocks of a response stream: a keepalive message after each quiet spell, so that the
+/// client and proxies on the way do not give up on an idle connection, and the call's deadline.
+pub(crate) struct Heartbeat {
+    every: Duration,
+    quiet_until: Instant,
+    deadline: Option<Instant>,
+}
+
+impl Heartbeat {
+    /// Starts the first quiet spell now.
+    pub fn new(every: Duration, deadline: Option<Instant>) -> Heartbeat {
+        Heartbeat { every, quiet_until: Instant::now() + every, deadline }
+    }
+
+    /// Starts a new quiet spell: the stream has just carried a message.
+    pub fn sent(&mut self) {
+        self.quiet_until = Instant::now() + self.every;
+    }
+
+    /// Waits until the stream needs a keepalive, reaches its deadline or loses its client, in
+    /// that order of precedence. Cancel-safe, so it can race the stream's own messages; the
+    /// answer comes from [`Heartbeat::answer`] afterwards, which is not.
+    pub async fn idle(&self, tx: &StreamTx) -> Idle {
+        tokio::select! {
+            biased;
+            _ = tokio::time::sleep_until(self.quiet_until) => Idle::Keepalive,
+            _ = sleep_until_opt(self.deadline) => Idle::Deadline,
+            _ = tx.closed() => Idle::Gone,
+        }
+    }
+
+    /// Acts on `idle`: sends `ping` when a keepalive is due, ends the stream with
+    /// `DeadlineExceeded` at the deadline. `Break` once the stream is over.
+    pub async fn answer<T: Serialize>(&mut self, idle: Idle, tx: &StreamTx, ping: &T) -> ControlFlow<()> {
+        match idle {
+            Idle::Keepalive => {
+                if tx.send(ping).await.is_err() {
+                    return ControlFlow::Break(());
+                }
+                self.sent();
+                ControlFlow::Continue(())
+            }
+            Idle::Deadline => {
+                tx.end(Some(&ConnectError::new(Code::DeadlineExceeded, "deadline exceeded"))).await;
+                ControlFlow::Break(())
+            }
+            Idle::Gone => ControlFlow::Break(()),
+        }
+    }
+}
+
+async fn sleep_until_opt(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -192,13 +278,9 @@ where
     F: FnOnce(Req, CallCtx, StreamTx) -> Fut,
     Fut: Future<Output = Result<(), ConnectError>>,
 {
-    let ct = content_type(req.headers()).to_string();
-    if is_proto_codec(&ct) {
-        return unsupported_media(&ct);
-    }
-    let ctx = match CallCtx::from_headers(req.headers()) {
-        Ok(c) => c,
-        Err(e) => return stream_error(&e),
+    let (ct, ctx) = match accept(req.headers(), stream_error) {
+        Ok(v) => v,
+        Err(refused) => return *refused,
     };
     let enveloped = is_connect_json(&ct);
     let body = match read_limited(req.into_body(), MAX_REQUEST).await {
@@ -253,13 +335,9 @@ where
     F: FnMut(Req, CallCtx, S) -> Fut,
     Fut: Future<Output = Result<S, ConnectError>>,
 {
-    let ct = content_type(req.headers()).to_string();
-    if is_proto_codec(&ct) {
-        return unsupported_media(&ct);
-    }
-    let ctx = match CallCtx::from_headers(req.headers()) {
-        Ok(c) => c,
-        Err(e) => return stream_error(&e),
+    let (_, ctx) = match accept(req.headers(), stream_error) {
+        Ok(v) => v,
+        Err(refused) => return *refused,
     };
     let mut body = req.into_body();
     let mut dec = EnvelopeDecoder::new(MAX_REQUEST);

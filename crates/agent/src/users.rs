@@ -52,6 +52,15 @@ fn read_small(path: &Path) -> io::Result<String> {
     Ok(s)
 }
 
+/// The colon-separated fields of each line of a passwd-style file that has at least
+/// `min_fields` of them and a name; comments and malformed lines are skipped.
+fn records(text: &str, min_fields: usize) -> impl Iterator<Item = Vec<&str>> {
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .map(|l| l.split(':').collect::<Vec<&str>>())
+        .filter(move |f| f.len() >= min_fields && !f[0].is_empty())
+}
+
 impl UserDb {
     /// Reads the databases below `root`; a missing file counts as empty.
     pub fn load(root: &Path) -> UserDb {
@@ -62,14 +71,8 @@ impl UserDb {
 
     /// Parses the text of `/etc/passwd` and `/etc/group`; malformed lines are skipped.
     pub fn parse(passwd: &str, group: &str) -> UserDb {
-        let passwd = passwd
-            .lines()
-            .filter(|l| !l.trim_start().starts_with('#'))
-            .filter_map(|l| {
-                let f: Vec<&str> = l.split(':').collect();
-                if f.len() < 7 || f[0].is_empty() {
-                    return None;
-                }
+        let passwd = records(passwd, 7)
+            .filter_map(|f| {
                 Some(PasswdEntry {
                     name: f[0].to_string(),
                     uid: f[2].parse().ok()?,
@@ -78,14 +81,8 @@ impl UserDb {
                 })
             })
             .collect();
-        let groups = group
-            .lines()
-            .filter(|l| !l.trim_start().starts_with('#'))
-            .filter_map(|l| {
-                let f: Vec<&str> = l.split(':').collect();
-                if f.len() < 3 || f[0].is_empty() {
-                    return None;
-                }
+        let groups = records(group, 3)
+            .filter_map(|f| {
                 Some(GroupEntry {
                     name: f[0].to_string(),
                     gid: f[2].parse().ok()?,

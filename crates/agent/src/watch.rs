@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use crate::fdio::Fd;
 use crate::filesystem::entry_info;
-use crate::rpc::StreamTx;
+use crate::rpc::{Heartbeat, StreamTx};
 use crate::users::{User, UserDb};
 
 const MASK: u32 = libc::IN_CREATE
@@ -265,13 +265,6 @@ fn join_rel(dir: &str, name: &str) -> String {
     }
 }
 
-async fn sleep_until_opt(t: Option<Instant>) {
-    match t {
-        Some(t) => tokio::time::sleep_until(t).await,
-        None => std::future::pending().await,
-    }
-}
-
 /// Writes a `WatchDir` stream: `start`, then events and keepalives, until the deadline, the
 /// directory's removal, or the client leaving.
 pub(crate) async fn stream(mut w: Watch, tx: StreamTx, keepalive: Duration, timeout: Option<Duration>) {
@@ -279,7 +272,7 @@ pub(crate) async fn stream(mut w: Watch, tx: StreamTx, keepalive: Duration, time
         return;
     }
     let deadline = timeout.map(|t| Instant::now() + t);
-    let mut quiet_until = Instant::now() + keepalive;
+    let mut beat = Heartbeat::new(keepalive, deadline);
     loop {
         tokio::select! {
             r = w.next_events() => match r {
@@ -289,7 +282,7 @@ pub(crate) async fn stream(mut w: Watch, tx: StreamTx, keepalive: Duration, time
                             return;
                         }
                     }
-                    quiet_until = Instant::now() + keepalive;
+                    beat.sent();
                 }
                 Ok(None) => {
                     tx.finish(None).await;
@@ -300,17 +293,11 @@ pub(crate) async fn stream(mut w: Watch, tx: StreamTx, keepalive: Duration, time
                     return;
                 }
             },
-            _ = tokio::time::sleep_until(quiet_until) => {
-                if tx.send(&WatchDirResponse::Keepalive(KeepAlive {})).await.is_err() {
+            idle = beat.idle(&tx) => {
+                if beat.answer(idle, &tx, &WatchDirResponse::Keepalive(KeepAlive {})).await.is_break() {
                     return;
                 }
-                quiet_until = Instant::now() + keepalive;
             }
-            _ = sleep_until_opt(deadline) => {
-                tx.finish(Some(ConnectError::new(Code::DeadlineExceeded, "deadline exceeded"))).await;
-                return;
-            }
-            _ = tx.closed() => return,
         }
     }
 }

@@ -320,12 +320,7 @@ impl Store {
         opts: &BuildOptions,
         progress: &mut dyn Progress,
     ) -> Result<Image, ImageError> {
-        let Some(r) = recipe::find(recipe) else {
-            return Err(ImageError::UnknownRecipe {
-                recipe: recipe.escape_debug().to_string(),
-                known: recipes().join(", "),
-            });
-        };
+        let r = known_recipe(recipe)?;
         let name = r.name;
         if !opts.rebuild {
             if let Some(img) = self.cached(name, progress)? {
@@ -334,17 +329,7 @@ impl Store {
             }
         }
         let tool = build::find_tool("mmdebstrap");
-        if !fsutil::is_root() {
-            if tool.is_none() {
-                return Err(ImageError::MissingTool {
-                    tool: "mmdebstrap".into(),
-                    hint: "run 'apt-get install mmdebstrap' as root".into(),
-                });
-            }
-            return Err(ImageError::NotRoot {
-                action: format!("building image '{name}'"),
-            });
-        }
+        require_root_to_build(name, tool.is_some())?;
         let mirror = build::choose_mirror(opts.mirror.as_deref());
 
         let _lock = self.lock(name, progress)?;
@@ -362,73 +347,13 @@ impl Store {
             Some(t) => t,
             None => build::install_mmdebstrap(&mut stages, &mut log)?,
         };
-
-        let staging = self.staging_dir(name);
-        let rootfs = staging.join(ROOTFS_DIR);
-        let result = (|| {
-            create_dir(&staging)?;
-            create_dir(&rootfs)?;
-            build::run_mmdebstrap(&tool, r, &rootfs, mirror.as_deref(), &mut stages, &mut log)
-                .map_err(|reason| ImageError::BuildFailed {
-                    name: name.into(),
-                    reason,
-                    log: log.path().to_owned(),
-                    tail: log.tail(),
-                })?;
-            stages.enter(build::STAGE_FINALIZING);
-            build::write_files(r, &rootfs).map_err(|reason| {
-                log.write(&format!("E: {reason}"));
-                ImageError::BuildFailed {
-                    name: name.into(),
-                    reason,
-                    log: log.path().to_owned(),
-                    tail: log.tail(),
-                }
-            })?;
-            let missing: Vec<&str> = r
-                .must_exist
-                .iter()
-                .copied()
-                .flatten()
-                .copied()
-                .filter(|p| fs::symlink_metadata(rootfs.join(p)).is_err())
-                .collect();
-            if !missing.is_empty() {
-                let reason = format!(
-                    "mmdebstrap succeeded but the result lacks {}",
-                    missing.join(", ")
-                );
-                log.write(&format!("E: {reason}"));
-                return Err(ImageError::BuildFailed {
-                    name: name.into(),
-                    reason,
-                    log: log.path().to_owned(),
-                    tail: log.tail(),
-                });
-            }
-            let meta = ImageMeta {
-                name: name.into(),
-                created_unix: now_unix(),
-                source: format!("mmdebstrap {}", r.suite),
-                size_bytes: 0,
-                env: r
-                    .env
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect(),
-                default_user: r.default_user.into(),
-                start: r.start.as_ref().map(|s| s.to_command()),
-                recipe: Some(r.digest()),
-            };
-            self.finish(name, &staging, meta, &mut |l| {
+        self.in_staging(name, |staging, rootfs| {
+            build_rootfs(r, &tool, rootfs, mirror.as_deref(), &mut stages, &mut log)?;
+            self.finish(name, staging, recipe_meta(r), &mut |l| {
                 log.write(l);
                 stages.line(l)
             })
-        })();
-        if result.is_err() {
-            self.discard(&staging);
-        }
-        result
+        })
     }
 
     /// Imports a rootfs tarball (plain or gzip-compressed tar, e.g. the
@@ -447,77 +372,39 @@ impl Store {
         progress: &mut dyn Progress,
     ) -> Result<Image, ImageError> {
         validate_name(name)?;
-        let import_err = |reason: String| ImageError::Import {
-            name: name.into(),
-            tarball: tarball.to_owned(),
-            reason,
-        };
-        let file = fs::File::open(tarball).map_err(|e| {
-            let hint = if e.kind() == io::ErrorKind::NotFound {
-                ": check the path"
-            } else {
-                ""
-            };
-            import_err(format!("cannot open it ({e}){hint}"))
-        })?;
-        if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
-            return Err(import_err(
-                "it is a directory: pass a tar archive of a root filesystem, e.g. from 'docker export'".into(),
-            ));
-        }
+        let file = open_tarball(name, tarball)?;
 
         let _lock = self.lock(name, progress)?;
         self.sweep_staging(name)?;
         let mut stages = Stages::new(vec!["unpacking", build::STAGE_FINALIZING], progress);
-        let staging = self.staging_dir(name);
-        let rootfs = staging.join(ROOTFS_DIR);
-        let result = (|| {
-            create_dir(&staging)?;
-            create_dir(&rootfs)?;
-            stages.enter("unpacking");
-            let summary =
-                import::unpack(file, &rootfs, stages.progress_mut()).map_err(import_err)?;
-            if summary.entries == 0 {
-                return Err(import_err(
-                    "it contains no files: pass a tar archive of a root filesystem, e.g. from 'docker export'".into(),
-                ));
-            }
+        self.in_staging(name, |staging, rootfs| {
+            let summary = unpack_rootfs(name, tarball, file, rootfs, &mut stages)?;
             stages.enter(build::STAGE_FINALIZING);
-            if summary.skipped_special > 0 {
-                stages.line(&format!(
-                    "skipped {} device nodes and FIFOs (sandboxes get their own /dev)",
-                    summary.skipped_special
-                ));
-            }
-            if summary.skipped_unsafe > 0 {
-                stages.line(&format!(
-                    "skipped {} entries with paths outside the image",
-                    summary.skipped_unsafe
-                ));
-            }
-            fsutil::ensure_mount_dirs(&rootfs).map_err(|e| {
+            report_skipped(&summary, &mut stages);
+            fsutil::ensure_mount_dirs(rootfs).map_err(|e| {
                 ImageError::io(
                     format!("cannot create mount points in {}", rootfs.display()),
                     e,
                 )
             })?;
-            let default_user = if import::has_user(&rootfs) {
-                "user"
-            } else {
-                "root"
-            };
-            let meta = ImageMeta {
-                name: name.into(),
-                created_unix: now_unix(),
-                source: format!("import {}", tarball.display()),
-                size_bytes: 0,
-                env: vec![("PATH".into(), recipe::DEFAULT_PATH.into())],
-                default_user: default_user.into(),
-                start: None,
-                recipe: None,
-            };
-            self.finish(name, &staging, meta, &mut |l| stages.line(l))
-        })();
+            let meta = imported_meta(name, tarball, rootfs);
+            self.finish(name, staging, meta, &mut |l| stages.line(l))
+        })
+    }
+
+    /// Runs `fill` on a fresh staging dir for `name` and its empty rootfs;
+    /// when that fails the staging dir is deleted, so a failed operation
+    /// leaves nothing for the next one to sweep.
+    fn in_staging(
+        &self,
+        name: &str,
+        fill: impl FnOnce(&Path, &Path) -> Result<Image, ImageError>,
+    ) -> Result<Image, ImageError> {
+        let staging = self.staging_dir(name);
+        let rootfs = staging.join(ROOTFS_DIR);
+        let result = create_dir(&staging)
+            .and_then(|()| create_dir(&rootfs))
+            .and_then(|()| fill(&staging, &rootfs));
         if result.is_err() {
             self.discard(&staging);
         }
@@ -694,6 +581,190 @@ impl Store {
                 fsutil::lock_blocking(file).map_err(err)
             }
         }
+    }
+}
+
+/// The recipe called `recipe`, or an error listing the known ones.
+fn known_recipe(recipe: &str) -> Result<&'static recipe::Recipe, ImageError> {
+    recipe::find(recipe).ok_or_else(|| ImageError::UnknownRecipe {
+        recipe: recipe.escape_debug().to_string(),
+        known: recipes().join(", "),
+    })
+}
+
+/// Fails early without root, before taking the lock: mmdebstrap cannot
+/// build then, nor can apt-get install it. A missing tool is named first
+/// because it needs fixing even once the user is root.
+fn require_root_to_build(name: &str, have_tool: bool) -> Result<(), ImageError> {
+    if fsutil::is_root() {
+        return Ok(());
+    }
+    if !have_tool {
+        return Err(ImageError::MissingTool {
+            tool: "mmdebstrap".into(),
+            hint: "run 'apt-get install mmdebstrap' as root".into(),
+        });
+    }
+    Err(ImageError::NotRoot {
+        action: format!("building image '{name}'"),
+    })
+}
+
+/// Fills the empty `rootfs` for recipe `r`: mmdebstrap, then the recipe's
+/// own files, then the check that what the recipe needs is there.
+fn build_rootfs(
+    r: &recipe::Recipe,
+    tool: &Path,
+    rootfs: &Path,
+    mirror: Option<&str>,
+    stages: &mut Stages<'_>,
+    log: &mut BuildLog,
+) -> Result<(), ImageError> {
+    build::run_mmdebstrap(tool, r, rootfs, mirror, stages, log)
+        .map_err(|reason| build_failed(r.name, reason, log))?;
+    stages.enter(build::STAGE_FINALIZING);
+    build::write_files(r, rootfs).map_err(|reason| logged_build_failure(r.name, reason, log))?;
+    let missing = missing_paths(r, rootfs);
+    if !missing.is_empty() {
+        let reason = format!(
+            "mmdebstrap succeeded but the result lacks {}",
+            missing.join(", ")
+        );
+        return Err(logged_build_failure(r.name, reason, log));
+    }
+    Ok(())
+}
+
+/// The paths of `r.must_exist` that the built `rootfs` lacks.
+fn missing_paths(r: &recipe::Recipe, rootfs: &Path) -> Vec<&'static str> {
+    r.must_exist
+        .iter()
+        .copied()
+        .flatten()
+        .copied()
+        .filter(|p| fs::symlink_metadata(rootfs.join(p)).is_err())
+        .collect()
+}
+
+fn build_failed(name: &str, reason: String, log: &BuildLog) -> ImageError {
+    ImageError::BuildFailed {
+        name: name.into(),
+        reason,
+        log: log.path().to_owned(),
+        tail: log.tail(),
+    }
+}
+
+/// A failure of a check after mmdebstrap: it goes into the log too, below
+/// mmdebstrap's output, so the log alone tells why the build failed.
+fn logged_build_failure(name: &str, reason: String, log: &mut BuildLog) -> ImageError {
+    log.write(&format!("E: {reason}"));
+    build_failed(name, reason, log)
+}
+
+/// The metadata of an image built from `r`, created now.
+fn recipe_meta(r: &recipe::Recipe) -> ImageMeta {
+    ImageMeta {
+        name: r.name.into(),
+        created_unix: now_unix(),
+        source: format!("mmdebstrap {}", r.suite),
+        size_bytes: 0,
+        env: r
+            .env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        default_user: r.default_user.into(),
+        start: r.start.as_ref().map(|s| s.to_command()),
+        recipe: Some(r.digest()),
+    }
+}
+
+fn import_error(name: &str, tarball: &Path, reason: String) -> ImageError {
+    ImageError::Import {
+        name: name.into(),
+        tarball: tarball.to_owned(),
+        reason,
+    }
+}
+
+/// Opens the tarball before the lock is taken, so a wrong path fails at
+/// once instead of after waiting for another operation on `name`.
+fn open_tarball(name: &str, tarball: &Path) -> Result<fs::File, ImageError> {
+    let file = fs::File::open(tarball).map_err(|e| {
+        let hint = if e.kind() == io::ErrorKind::NotFound {
+            ": check the path"
+        } else {
+            ""
+        };
+        import_error(name, tarball, format!("cannot open it ({e}){hint}"))
+    })?;
+    if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+        return Err(import_error(
+            name,
+            tarball,
+            "it is a directory: pass a tar archive of a root filesystem, e.g. from 'docker export'".into(),
+        ));
+    }
+    Ok(file)
+}
+
+/// Unpacks `file` into the empty `rootfs`; an archive without a single
+/// entry is refused, since it cannot be the root filesystem asked for.
+fn unpack_rootfs(
+    name: &str,
+    tarball: &Path,
+    file: fs::File,
+    rootfs: &Path,
+    stages: &mut Stages<'_>,
+) -> Result<import::Summary, ImageError> {
+    stages.enter("unpacking");
+    let summary = import::unpack(file, rootfs, stages.progress_mut())
+        .map_err(|reason| import_error(name, tarball, reason))?;
+    if summary.entries == 0 {
+        return Err(import_error(
+            name,
+            tarball,
+            "it contains no files: pass a tar archive of a root filesystem, e.g. from 'docker export'".into(),
+        ));
+    }
+    Ok(summary)
+}
+
+/// Says what the unpack left out, so a missing device node or file is not
+/// a mystery later.
+fn report_skipped(summary: &import::Summary, stages: &mut Stages<'_>) {
+    if summary.skipped_special > 0 {
+        stages.line(&format!(
+            "skipped {} device nodes and FIFOs (sandboxes get their own /dev)",
+            summary.skipped_special
+        ));
+    }
+    if summary.skipped_unsafe > 0 {
+        stages.line(&format!(
+            "skipped {} entries with paths outside the image",
+            summary.skipped_unsafe
+        ));
+    }
+}
+
+/// The metadata of an image imported from `tarball`, created now. Its
+/// processes run as `user` when the image has one, as root otherwise.
+fn imported_meta(name: &str, tarball: &Path, rootfs: &Path) -> ImageMeta {
+    let default_user = if import::has_user(rootfs) {
+        "user"
+    } else {
+        "root"
+    };
+    ImageMeta {
+        name: name.into(),
+        created_unix: now_unix(),
+        source: format!("import {}", tarball.display()),
+        size_bytes: 0,
+        env: vec![("PATH".into(), recipe::DEFAULT_PATH.into())],
+        default_user: default_user.into(),
+        start: None,
+        recipe: None,
     }
 }
 
