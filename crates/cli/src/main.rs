@@ -10,6 +10,7 @@ mod copy;
 mod doctor;
 mod image_cmd;
 mod mcp;
+mod preflight;
 mod progress;
 mod run;
 mod serve;

@@ -90,14 +90,8 @@ pub fn main(state: &State, a: McpArgs) -> Result<u8> {
         )));
     }
     crate::tiers::capabilities(cfg.tier).check_network(cfg.tier, &cfg.network).map_err(|e| usage(e.to_string()))?;
-    let dns_upstream = match &a.dns_upstream {
-        Some(u) => Some(cordon_net::parse_upstream(u).map_err(|e| usage(format!("--dns-upstream: {e}")))?),
-        None => None,
-    };
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err(usage("cordon mcp needs root (sandboxes need cgroups and idmapped mounts): run it as root"));
-    }
+    let dns_upstream = crate::preflight::dns_upstream(a.dns_upstream.as_deref())?;
+    crate::preflight::require_root("cordon mcp needs root (sandboxes need cgroups and idmapped mounts): run it as root")?;
     cordon_jail::become_subreaper();
     // Opening the tier reaps whatever a crashed cordon left behind, and refuses a tier this
     // host cannot run.

@@ -4,10 +4,11 @@ use crate::state::State;
 use crate::usage;
 use anyhow::Result;
 use clap::Args;
-use cordon_sandbox::{Error as BackendError, Sandbox, SandboxSpec};
+use cordon_sandbox::{Backend, Blocked, Capabilities, Denial, Error as BackendError, Sandbox, SandboxSpec};
 use cordon_spec::{format_size, parse_duration, parse_env, parse_size, Limits, NetworkPolicy, Tier};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
@@ -152,130 +153,202 @@ fn parse_copy(s: &str) -> Result<Copy> {
 }
 
 pub fn main(state: &State, a: RunArgs) -> Result<u8> {
-    let spec = spec_from(&a)?;
-    let dns_upstream = match &a.dns_upstream {
-        Some(u) => Some(cordon_net::parse_upstream(u).map_err(|e| usage(format!("--dns-upstream: {e}")))?),
-        None => None,
+    let plan = plan(&a)?;
+    let backend = open_tier(state, &plan)?;
+    let rt = runtime(&plan.spec)?;
+    let started = Instant::now();
+    let sandbox = create_sandbox(&rt, backend.as_ref(), &plan.spec)?;
+    tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
+    let end = run_and_destroy(rt, sandbox, &plan, &a.command, started);
+
+    let spec = &plan.spec;
+    let ended = match end.outcome {
+        Ok(ended) => ended,
+        Err(e) => {
+            end.teardown.map_err(|t| anyhow::anyhow!("{t}"))?;
+            return Err(e);
+        }
     };
+    let (code, reason) = exit_of(ended, end.stats.oom);
+    report_reason(reason, spec, &a.timeout);
+    if a.audit {
+        report_audit(spec, plan.caps, &end.stats);
+    }
+    if let Err(e) = end.teardown {
+        eprintln!("cordon: warning: {e}");
+    }
+    if a.json {
+        print_record(spec, code, reason, end.duration, &end.stats);
+    }
+    Ok(code.clamp(0, 255) as u8)
+}
+
+/// A run checked in full: nothing of it is built or started until every flag has passed.
+struct Plan {
+    spec: SandboxSpec,
+    dns_upstream: Option<std::net::SocketAddr>,
+    copies: Vec<Copy>,
+    caps: Capabilities,
+}
+
+fn plan(a: &RunArgs) -> Result<Plan> {
+    let spec = spec_from(a)?;
+    let dns_upstream = crate::preflight::dns_upstream(a.dns_upstream.as_deref())?;
     let copies = a.copy.iter().map(|c| parse_copy(c)).collect::<Result<Vec<_>>>()?;
     let caps = crate::tiers::capabilities(spec.tier);
     caps.check_network(spec.tier, &spec.network).map_err(|e| usage(e.to_string()))?;
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err(usage(format!(
-            "the {} tier needs root (it creates cgroups and mounts): run cordon as root",
-            spec.tier
-        )));
-    }
+    crate::preflight::require_root(format!(
+        "the {} tier needs root (it creates cgroups and mounts): run cordon as root",
+        spec.tier
+    ))?;
+    Ok(Plan { spec, dns_upstream, copies, caps })
+}
+
+/// Opens the tier and makes sure its image is ready, before any sandbox exists.
+fn open_tier(state: &State, plan: &Plan) -> Result<Arc<dyn Backend>> {
     cordon_jail::become_subreaper();
     // A tier the host cannot run is refused here, before any image is built; never a fallback.
-    let backend = state.backend(spec.tier, dns_upstream)?;
-
+    let backend = state.backend(plan.spec.tier, plan.dns_upstream)?;
     // The image (built on first use) and whatever the tier prepares for its first sandbox of
     // it (a VM's kit and disk), shown as image builds are.
-    crate::image_cmd::ensure(state, backend.as_ref(), &spec, None)?;
+    crate::image_cmd::ensure(state, backend.as_ref(), &plan.spec, None)?;
+    Ok(backend)
+}
+
+fn runtime(spec: &SandboxSpec) -> Result<tokio::runtime::Runtime> {
     // The egress forwarder runs in this runtime; a second worker keeps a busy download from
     // delaying the command's stream (and the other way round).
-    let rt = if spec.network.is_enabled() {
+    Ok(if spec.network.is_enabled() {
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?
     } else {
         tokio::runtime::Builder::new_current_thread().enable_all().build()?
-    };
-    let started = Instant::now();
-    let mut sandbox = {
-        let _enter = rt.enter();
-        backend.create(&spec).map_err(|e| match e {
-            BackendError::Unavailable(m) | BackendError::BadRequest(m) | BackendError::UnknownTemplate(m) => usage(m),
-            e => anyhow::anyhow!("create sandbox: {e}"),
-        })?
-    };
-    tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
+    })
+}
 
-    let outcome = rt.block_on(drive(sandbox.as_ref(), &spec, &a.command, &copies));
+fn create_sandbox(rt: &tokio::runtime::Runtime, backend: &dyn Backend, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>> {
+    // The egress forwarder a tier starts at create belongs to this runtime.
+    let _enter = rt.enter();
+    backend.create(spec).map_err(|e| match e {
+        BackendError::Unavailable(m) | BackendError::BadRequest(m) | BackendError::UnknownTemplate(m) => usage(m),
+        e => anyhow::anyhow!("create sandbox: {e}"),
+    })
+}
+
+/// What a run left to report once its sandbox is gone.
+struct End {
+    outcome: Result<Ended>,
+    stats: Stats,
+    teardown: Result<(), BackendError>,
+    duration: Duration,
+}
+
+/// The sandbox's own account of the run, read before it is destroyed.
+struct Stats {
+    oom: bool,
+    landlock: Option<String>,
+    denials: Vec<Denial>,
+    blocked: Vec<Blocked>,
+    /// `None` where the tier cannot tell (printed as null, never as a 0 that looks measured).
+    peak: Option<u64>,
+    cpu_usec: Option<u64>,
+}
+
+/// Drives the command to its end, reads the sandbox's stats, then destroys it and the runtime.
+fn run_and_destroy(rt: tokio::runtime::Runtime, mut sandbox: Box<dyn Sandbox>, plan: &Plan, cmd: &[String], started: Instant) -> End {
+    let outcome = rt.block_on(drive(sandbox.as_ref(), &plan.spec, cmd, &plan.copies));
     let blocked = sandbox.blocked();
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
     // A VM's count comes from its guest, a round trip through the agent: asked only when the
     // command was killed.
     let killed = matches!(outcome, Ok(Ended::Signaled(9) | Ended::Died));
-    let oom = (killed || caps.host_oom_count) && sandbox.oom_kills() > 0;
-    let landlock = sandbox.landlock();
-    let denials = sandbox.denials();
-    let peak = sandbox.peak_memory();
-    let cpu_usec = sandbox.cpu_usage_usec();
+    let oom = (killed || plan.caps.host_oom_count) && sandbox.oom_kills().is_some_and(|n| n > 0);
+    let stats = Stats {
+        oom,
+        landlock: sandbox.landlock(),
+        denials: sandbox.denials(),
+        blocked,
+        peak: sandbox.peak_memory(),
+        cpu_usec: sandbox.cpu_usage_usec(),
+    };
     let teardown = sandbox.destroy();
     // Flows still open belonged to the sandbox just destroyed: do not wait for them (ipstack
     // streams block in their destructors until their session tasks end).
     rt.shutdown_background();
     let duration = started.elapsed();
     tracing::debug!(elapsed = ?duration, "sandbox destroyed");
+    End { outcome, stats, teardown, duration }
+}
 
-    let (code, reason) = match outcome {
-        Ok(Ended::Exited(code)) => (code, Reason::Exit),
-        Ok(Ended::Signaled(9)) if oom => (137, Reason::Oom),
-        Ok(Ended::Signaled(sig)) => (128 + sig, Reason::Signal(sig)),
-        Ok(Ended::Timeout) => (124, Reason::Timeout),
-        Ok(Ended::Interrupted(sig)) => (128 + sig, Reason::Interrupted),
-        Ok(Ended::Died) if oom => (137, Reason::Oom),
-        Ok(Ended::Died) => (137, Reason::SandboxDied),
-        Err(e) => {
-            teardown.map_err(|t| anyhow::anyhow!("{t}"))?;
-            return Err(e);
-        }
-    };
+/// The exit code and reason of a command that ended.
+fn exit_of(ended: Ended, oom: bool) -> (i32, Reason) {
+    match ended {
+        Ended::Exited(code) => (code, Reason::Exit),
+        Ended::Signaled(9) if oom => (137, Reason::Oom),
+        Ended::Signaled(sig) => (128 + sig, Reason::Signal(sig)),
+        Ended::Timeout => (124, Reason::Timeout),
+        Ended::Interrupted(sig) => (128 + sig, Reason::Interrupted),
+        Ended::Died if oom => (137, Reason::Oom),
+        Ended::Died => (137, Reason::SandboxDied),
+    }
+}
+
+/// One line on stderr for an end the command's own output would not explain.
+fn report_reason(reason: Reason, spec: &SandboxSpec, timeout_flag: &str) {
     match reason {
         Reason::Oom => eprintln!("cordon: out of memory (limit {})", format_size(spec.limits.memory_bytes)),
-        Reason::Timeout => eprintln!("cordon: timed out after {} (limit --timeout {})", secs(spec.limits.timeout), a.timeout),
+        Reason::Timeout => eprintln!("cordon: timed out after {} (limit --timeout {})", secs(spec.limits.timeout), timeout_flag),
         Reason::Signal(9) => eprintln!("cordon: command killed (SIGKILL)"),
         Reason::Interrupted => eprintln!("cordon: interrupted; sandbox destroyed"),
         Reason::SandboxDied => eprintln!("cordon: the sandbox died unexpectedly"),
         _ => {}
     }
-    if a.audit {
-        if !caps.syscall_audit {
-            // The host's syscall filter is the ns tier's; under gVisor or in a VM, their own
-            // kernel answers.
-            eprintln!("cordon: audit: not available in the {} tier (no host syscall filter to record)", spec.tier);
-        } else if denials.is_empty() {
-            eprintln!("cordon: audit: no syscall was denied");
-        } else {
-            let parts: Vec<String> = denials
-                .iter()
-                .map(|d| {
-                    let pids: Vec<String> = d.pids.iter().map(|p| p.to_string()).collect();
-                    format!("{} x{} (pid {})", d.syscall, d.count, pids.join(","))
-                })
-                .collect();
-            eprintln!("cordon: audit: denied {}", parts.join("; "));
+}
+
+/// `--audit`: the denied syscalls and the blocked network attempts, on stderr.
+fn report_audit(spec: &SandboxSpec, caps: Capabilities, stats: &Stats) {
+    if !caps.syscall_audit {
+        // The host's syscall filter is the ns tier's; under gVisor or in a VM, their own
+        // kernel answers.
+        eprintln!("cordon: audit: not available in the {} tier (no host syscall filter to record)", spec.tier);
+    } else if stats.denials.is_empty() {
+        eprintln!("cordon: audit: no syscall was denied");
+    } else {
+        let parts: Vec<String> = stats
+            .denials
+            .iter()
+            .map(|d| {
+                let pids: Vec<String> = d.pids.iter().map(|p| p.to_string()).collect();
+                format!("{} x{} (pid {})", d.syscall, d.count, pids.join(","))
+            })
+            .collect();
+        eprintln!("cordon: audit: denied {}", parts.join("; "));
+    }
+    if spec.network.is_enabled() {
+        if stats.blocked.is_empty() {
+            eprintln!("cordon: audit: no network attempt was blocked");
         }
-        if spec.network.is_enabled() {
-            if blocked.is_empty() {
-                eprintln!("cordon: audit: no network attempt was blocked");
-            }
-            for b in &blocked {
-                let name = b.name.as_ref().map(|n| format!(" ({n})")).unwrap_or_default();
-                eprintln!("cordon: audit: blocked {} {}{} x{}: {}", b.proto, b.destination, name, b.count, b.reason);
-            }
+        for b in &stats.blocked {
+            let name = b.name.as_ref().map(|n| format!(" ({n})")).unwrap_or_default();
+            eprintln!("cordon: audit: blocked {} {}{} x{}: {}", b.proto, b.destination, name, b.count, b.reason);
         }
     }
-    if let Err(e) = teardown {
-        eprintln!("cordon: warning: {e}");
-    }
-    if a.json {
-        let rec = serde_json::json!({
-            "sandbox_id": spec.id,
-            "exit_code": code,
-            "reason": reason.name(),
-            "duration_ms": duration.as_secs_f64() * 1000.0,
-            "peak_memory_bytes": peak,
-            "cpu_time_ms": cpu_usec / 1000,
-            "oom_killed": oom,
-            "landlock": landlock,
-            "denied_syscalls": denials,
-            "blocked_connections": blocked,
-        });
-        println!("{rec}");
-    }
-    Ok(code.clamp(0, 255) as u8)
+}
+
+/// `--json`: the run's record, as the last line of stdout.
+fn print_record(spec: &SandboxSpec, code: i32, reason: Reason, duration: Duration, stats: &Stats) {
+    let rec = serde_json::json!({
+        "sandbox_id": spec.id,
+        "exit_code": code,
+        "reason": reason.name(),
+        "duration_ms": duration.as_secs_f64() * 1000.0,
+        "peak_memory_bytes": stats.peak,
+        "cpu_time_ms": stats.cpu_usec.map(|u| u / 1000),
+        "oom_killed": stats.oom,
+        "landlock": stats.landlock,
+        "denied_syscalls": stats.denials,
+        "blocked_connections": stats.blocked,
+    });
+    println!("{rec}");
 }
 
 fn secs(d: Duration) -> String {

@@ -40,7 +40,7 @@ fn net(allow: &[&str], deny: &[&str], script: &str) -> Run {
 fn net_on(tier: Tier, allow: &[&str], deny: &[&str], script: &str) -> Run {
     internet();
     let _shared = QUIET.read().unwrap_or_else(|e| e.into_inner());
-    let mut flags = vec!["--tier", tier.name(), "--dns-upstream", DNS, "--timeout", "60s"];
+    let mut flags = vec!["--tier", tier.as_str(), "--dns-upstream", DNS, "--timeout", "60s"];
     for a in allow {
         flags.extend(["--allow-net", a]);
     }

@@ -1,12 +1,11 @@
 //! The `gvisor` tier as a [`cordon_sandbox::Backend`]: images from the store, sandboxes run by
 //! runsc, egress through the forwarder on the sandbox's TUN device.
 
-use std::os::fd::OwnedFd;
-use std::path::Path;
 use std::sync::Arc;
 
-use cordon_sandbox::{egress::Egress, Backend, Blocked, Capabilities, Error, Host, SandboxSpec};
-use cordon_spec::{NetworkPolicy, Tier};
+use cordon_sandbox::host_sandbox::HostBacked;
+use cordon_sandbox::{egress::Egress, Backend, Capabilities, Error, Host, SandboxSpec};
+use cordon_spec::Tier;
 
 use crate::Gvisor;
 
@@ -15,7 +14,7 @@ use crate::Gvisor;
 pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true };
 
 /// The tier table's row for gvisor.
-pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Gvisor, capabilities: CAPABILITIES, open };
+pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Gvisor, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
 
 /// Opens the tier (runsc found and usable), reaping what a crashed cordon left of it.
 pub fn open(host: &Host) -> Result<Arc<dyn Backend>, Error> {
@@ -30,64 +29,6 @@ pub struct GvisorBackend {
     store: cordon_image::Store,
     envd_version: Option<String>,
     dns_upstream: Option<std::net::SocketAddr>,
-}
-
-struct GvisorSandbox {
-    sandbox: crate::Sandbox,
-    egress: Egress,
-    start: Option<cordon_image::StartCommand>,
-}
-
-impl cordon_sandbox::Sandbox for GvisorSandbox {
-    fn socket_path(&self) -> &Path {
-        self.sandbox.socket_path()
-    }
-
-    fn death_fd(&self) -> Option<OwnedFd> {
-        self.sandbox.pidfd().and_then(|fd| fd.try_clone().ok())
-    }
-
-    fn memory_current(&self) -> u64 {
-        self.sandbox.cgroup().memory_current()
-    }
-
-    fn cpu_usage_usec(&self) -> u64 {
-        self.sandbox.cgroup().cpu_usage_usec()
-    }
-
-    fn disk_usage(&self) -> (u64, u64) {
-        self.sandbox.disk_usage()
-    }
-
-    fn kill(&self) {
-        self.sandbox.kill()
-    }
-
-    fn oom_kills(&self) -> u64 {
-        self.sandbox.cgroup().oom_kills()
-    }
-
-    fn peak_memory(&self) -> u64 {
-        self.sandbox.cgroup().peak_memory()
-    }
-
-    fn blocked(&self) -> Vec<Blocked> {
-        self.egress.blocked()
-    }
-
-    fn set_network(&self, policy: NetworkPolicy) -> Result<(), Error> {
-        self.egress.set_network(policy)
-    }
-
-    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
-        self.start.as_ref()
-    }
-
-    fn destroy(&mut self) -> Result<(), Error> {
-        // The forwarder goes first: nothing is dialled for a sandbox being torn down.
-        self.egress.stop();
-        self.sandbox.destroy().map_err(|e| Error::failed("teardown", e))
-    }
 }
 
 impl Backend for GvisorBackend {
@@ -114,6 +55,6 @@ impl Backend for GvisorBackend {
         let mut sandbox = self.gv.create(&cfg).map_err(|e| Error::failed("gvisor tier", e))?;
         let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
         let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, cordon_host::tun::MTU, self.dns_upstream)?;
-        Ok(Box::new(GvisorSandbox { sandbox, egress, start: image.meta.start.clone() }))
+        Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone() }))
     }
 }

@@ -215,16 +215,3 @@ pub fn serve_link(
         .map_err(crate::io_err("start the link thread"))?;
     Ok(LinkThread { stop: Some(stop), thread: Some(thread) })
 }
-
-/// (used, total) bytes of the filesystem at `path`.
-pub fn statvfs_used(path: &str) -> (u64, u64) {
-    let Ok(c) = CString::new(path) else { return (0, 0) };
-    // SAFETY: zeroed statvfs is a valid output buffer.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: valid path and output pointer.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return (0, 0);
-    }
-    let total = st.f_blocks * st.f_frsize;
-    (total - st.f_bfree * st.f_frsize, total)
-}

@@ -3,9 +3,9 @@
 //! sandbox's syscalls so that few of them reach the host's.
 //!
 //! How one sandbox is made ([`Gvisor::create`]):
-//! - a directory `<state>/gvisor/run/<id>` with a lock held for the sandbox's life and a record
-//!   of its cgroups, written before anything is started (a crashed cordon's sandboxes are
-//!   reaped by the next [`Gvisor::open`], as in the `ns` tier);
+//! - a directory `<state>/gvisor/run/<id>` in the run ledger (`cordon_host::ledger`): a lock
+//!   held for the sandbox's life and a record of its cgroups, written before anything is
+//!   started, so a crashed cordon's sandboxes are reaped by the next [`Gvisor::open`];
 //! - cgroups (`cordon_host::Cgroup`) holding runsc and everything it starts, so that the caps
 //!   cover gVisor's own processes and one `cgroup.kill` ends all of it;
 //! - runsc is started in a mount and a network namespace of its own, made just before it runs:
@@ -21,6 +21,7 @@
 
 pub mod backend;
 pub mod bundle;
+pub mod diagnose;
 mod launch;
 pub mod netns;
 pub mod runsc;
@@ -31,9 +32,9 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cordon_host::{Cgroup, Layout};
+use cordon_host::{ledger, Cgroup, Layout, Ledger};
+use cordon_sandbox::host_sandbox::HostSandbox;
 use cordon_spec::Limits;
-use serde::{Deserialize, Serialize};
 
 pub use runsc::Runsc;
 
@@ -46,8 +47,6 @@ pub const MEMORY_OVERHEAD: u64 = 64 << 20;
 /// limit is only a backstop, and reaching it ends the whole sandbox, never the host.
 pub const PIDS_PER_TASK: u32 = 24;
 pub const PIDS_OVERHEAD: u32 = 256;
-/// How long a sandbox directory without lock or record counts as being created, not left over.
-const CREATE_GRACE: Duration = Duration::from_secs(30);
 /// How long a new sandbox's agent may take to answer.
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -85,17 +84,9 @@ pub struct SandboxConfig {
     pub tun: bool,
 }
 
-/// What is on disk about a sandbox, enough to reap it after a crash.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Record {
-    id: String,
-    cgroup: Cgroup,
-    pid: Option<i32>,
-}
-
 /// The tier on this host: runsc, the platform, the state directory.
 pub struct Gvisor {
-    run_dir: PathBuf,
+    ledger: Ledger,
     runsc: Runsc,
     platform: String,
     layout: Layout,
@@ -107,8 +98,7 @@ impl Gvisor {
     /// left there. `exe` is the cordon binary, bind-mounted into each sandbox as its agent.
     pub fn open(state_dir: &Path, exe: &Path) -> Result<Gvisor, GvisorError> {
         let dir = state_dir.join("gvisor");
-        let run_dir = dir.join("run");
-        fs::create_dir_all(&run_dir).map_err(io_err(format!("create {}", run_dir.display())))?;
+        let ledger = Ledger::open(dir.join("run"), "gvisor sandbox").map_err(io_err("open the run directory"))?;
         let runsc = Runsc::locate_cached(&dir.join("runsc.json"))?;
         let platform = runsc::platform(&runsc, &dir.join("platform"))?;
         let layout = Layout::detect();
@@ -121,7 +111,7 @@ impl Gvisor {
         }
         // The agent is a path runsc's file proxy opens: the real file, not /proc/self/exe.
         let agent = fs::canonicalize(exe).map_err(io_err(format!("resolve {}", exe.display())))?;
-        let gv = Gvisor { run_dir, runsc, platform, layout, agent };
+        let gv = Gvisor { ledger, runsc, platform, layout, agent };
         gv.reap_orphans();
         Ok(gv)
     }
@@ -137,70 +127,24 @@ impl Gvisor {
 
     /// Kills and removes every sandbox whose owning process is gone. Returns how many.
     pub fn reap_orphans(&self) -> usize {
-        let Ok(entries) = fs::read_dir(&self.run_dir) else { return 0 };
-        let mut reaped = 0;
-        for e in entries.flatten() {
-            let dir = e.path();
-            // A directory being created right now may not have its lock or record yet: only
-            // an old one without them is the leftover of a create that died.
-            let young = e.metadata().ok().and_then(|m| m.modified().ok()).and_then(|t| t.elapsed().ok()).is_some_and(|age| age < CREATE_GRACE);
-            let Ok(lock) = fs::File::open(dir.join("lock")) else {
-                if !young {
-                    let _ = fs::remove_dir_all(&dir);
-                }
-                continue;
-            };
-            if !cordon_host::sys::flock_exclusive_nb(&lock).unwrap_or(false) {
-                continue; // its owner is alive
-            }
-            match fs::read(dir.join("record.json"))
-                .map_err(drop)
-                .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(drop))
-            {
-                Ok(rec) => {
-                    tracing::info!(id = %rec.id, "reaping gvisor sandbox left by a dead cordon process");
-                    rec.cgroup.kill_and_wait(Duration::from_secs(5));
-                    let _ = rec.cgroup.remove();
-                }
-                Err(()) if young => continue,
-                Err(()) => {}
-            }
-            let _ = fs::remove_dir_all(&dir);
-            reaped += 1;
-        }
-        reaped
+        self.ledger.reap()
     }
 
     /// Creates a running sandbox whose agent answers on [`Sandbox::socket_path`].
     pub fn create(&self, cfg: &SandboxConfig) -> Result<Sandbox, GvisorError> {
         cfg.limits.validate().map_err(|e| GvisorError::Setup(e.to_string()))?;
         let started = Instant::now();
-        let dir = self.run_dir.join(&cfg.id);
-        fs::create_dir(&dir).map_err(io_err(format!("create {}", dir.display())))?;
-        let lock = match fs::File::create(dir.join("lock")) {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = fs::remove_dir_all(&dir);
-                return Err(io_err("create lock")(e));
-            }
-        };
-        // Held for the sandbox's life: a free lock means a dead owner (see reap_orphans). A
-        // reaper in another process may hold it for a moment (it then sees a young directory
-        // without a record and leaves it), so wait for it rather than fail.
-        if let Err(e) = cordon_host::sys::flock_exclusive(&lock) {
-            let _ = fs::remove_dir_all(&dir);
-            return Err(io_err("lock the sandbox's directory")(e));
-        }
+        // Held for the sandbox's life: a free lock means a dead owner (see `reap_orphans`).
+        let entry = self.ledger.begin(&cfg.id, 0o777).map_err(io_err("make the sandbox's run directory"))?;
         let mut sb = Sandbox {
             id: cfg.id.clone(),
-            socket: dir.join("agent.sock"),
-            dir,
+            socket: entry.dir().join("agent.sock"),
+            entry,
             cgroup: Cgroup::plan(&self.layout, &cfg.id),
             child: None,
             pidfd: None,
             link: None,
             tun: None,
-            _lock: lock,
             torn_down: false,
         };
         // From here on, dropping `sb` on any error undoes every step taken so far.
@@ -210,13 +154,13 @@ impl Gvisor {
         host_limits.pids = host_limits.pids.saturating_mul(PIDS_PER_TASK).saturating_add(PIDS_OVERHEAD);
         sb.cgroup.create(&host_limits).map_err(io_err("create cgroups"))?;
 
-        let rootfs = sb.dir.join("rootfs");
-        let disk = sb.dir.join("disk");
+        let rootfs = sb.entry.dir().join("rootfs");
+        let disk = sb.entry.dir().join("disk");
         for d in [&rootfs, &disk] {
             fs::create_dir(d).map_err(io_err(format!("create {}", d.display())))?;
         }
         let netns = if cfg.tun { Some(netns::with_tun()?) } else { None };
-        let resolv = sb.dir.join("resolv.conf");
+        let resolv = sb.entry.dir().join("resolv.conf");
         if netns.is_some() {
             fs::write(&resolv, cordon_host::tun::resolv_conf()).map_err(io_err("write resolv.conf"))?;
         }
@@ -235,14 +179,14 @@ impl Gvisor {
             nproc: cfg.limits.pids as u64,
             resolv_conf: netns.as_ref().map(|_| resolv.as_path()),
         }
-        .write(&sb.dir)?;
+        .write(sb.entry.dir())?;
 
         let listener = std::os::unix::net::UnixListener::bind(&sb.socket).map_err(io_err("bind the agent socket"))?;
         let plan = launch::Plan {
             runsc: &self.runsc.path,
             platform: &self.platform,
             id: &cfg.id,
-            dir: &sb.dir,
+            dir: sb.entry.dir(),
             image: &cfg.rootfs,
             rootfs: &rootfs,
             disk: &disk,
@@ -266,14 +210,14 @@ impl Gvisor {
 /// A live gvisor sandbox. Dropping it kills everything in it and removes every trace.
 pub struct Sandbox {
     id: String,
-    dir: PathBuf,
+    /// The run directory (bundle, runsc state, socket, record), locked while the sandbox lives.
+    entry: ledger::Entry,
     socket: PathBuf,
     cgroup: Cgroup,
     child: Option<std::process::Child>,
     pidfd: Option<OwnedFd>,
     link: Option<launch::LinkThread>,
     tun: Option<OwnedFd>,
-    _lock: fs::File,
     torn_down: bool,
 }
 
@@ -282,18 +226,9 @@ impl Sandbox {
         &self.id
     }
 
-    /// The agent's socket, served by the host from the sandbox's link.
-    pub fn socket_path(&self) -> &Path {
-        &self.socket
-    }
-
     /// A pidfd of `runsc run`; it becomes readable when the sandbox dies.
     pub fn pidfd(&self) -> Option<&OwnedFd> {
         self.pidfd.as_ref()
-    }
-
-    pub fn cgroup(&self) -> &Cgroup {
-        &self.cgroup
     }
 
     /// The TUN device of a sandbox created with `tun`, once, for the egress forwarder.
@@ -306,27 +241,14 @@ impl Sandbox {
         self.child.as_ref().map(|c| c.id())
     }
 
-    /// Kills every process of the sandbox now: runsc, its gofer and gVisor's kernel.
-    pub fn kill(&self) {
-        self.cgroup.kill();
-    }
-
-    /// Bytes used and total of the writable layer, through runsc's mount namespace.
-    pub fn disk_usage(&self) -> (u64, u64) {
-        let Some(pid) = self.host_pid() else { return (0, 0) };
-        launch::statvfs_used(&format!("/proc/{pid}/root{}", self.dir.join("disk").display()))
-    }
-
     fn write_record(&self) -> Result<(), GvisorError> {
-        let rec = Record { id: self.id.clone(), cgroup: self.cgroup.clone(), pid: self.host_pid().map(|p| p as i32) };
-        let tmp = self.dir.join("record.json.tmp");
-        fs::write(&tmp, serde_json::to_vec(&rec).expect("record serialises")).map_err(io_err("write record"))?;
-        fs::rename(&tmp, self.dir.join("record.json")).map_err(io_err("write record"))
+        let pid = self.host_pid().map(|p| p as i32);
+        self.entry.record(&self.id, &self.cgroup, pid, None).map_err(io_err("write record"))
     }
 
     /// runsc's own last words, for error messages.
     fn runsc_log(&self) -> String {
-        let text = fs::read_to_string(self.dir.join("runsc.log")).unwrap_or_default();
+        let text = fs::read_to_string(self.entry.dir().join("runsc.log")).unwrap_or_default();
         let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
         lines[lines.len().saturating_sub(3)..].join(" / ")
     }
@@ -356,8 +278,36 @@ impl Sandbox {
         }
     }
 
+}
+
+/// What the sandbox crate's [`HostBacked`](cordon_sandbox::host_sandbox::HostBacked) needs of a
+/// live gvisor sandbox.
+impl HostSandbox for Sandbox {
+    type Error = GvisorError;
+
+    /// A pidfd of `runsc run`; it becomes readable when the sandbox dies.
+    fn death_fd(&self) -> Option<OwnedFd> {
+        self.pidfd.as_ref().and_then(|fd| fd.try_clone().ok())
+    }
+
+    /// The agent's socket, served by the host from the sandbox's link.
+    fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+    fn cgroup(&self) -> &Cgroup {
+        &self.cgroup
+    }
+    /// Kills every process of the sandbox now: runsc, its gofer and gVisor's kernel.
+    fn kill(&self) {
+        self.cgroup.kill();
+    }
+    /// Bytes used and total of the writable layer, through runsc's mount namespace.
+    fn disk_usage(&self) -> Option<(u64, u64)> {
+        let pid = self.host_pid()?;
+        cordon_host::sys::disk_usage(Path::new(&format!("/proc/{pid}/root{}", self.entry.dir().join("disk").display())))
+    }
     /// Kills the sandbox and removes its processes, cgroups and files. Idempotent.
-    pub fn destroy(&mut self) -> Result<(), GvisorError> {
+    fn destroy(&mut self) -> Result<(), GvisorError> {
         if self.torn_down {
             return Ok(());
         }
@@ -372,7 +322,7 @@ impl Sandbox {
         if let Some(link) = self.link.take() {
             link.stop();
         }
-        let _ = fs::remove_dir_all(&self.dir);
+        self.entry.remove();
         if !emptied {
             return Err(GvisorError::Setup(format!("sandbox {} did not die within 5 s", self.id)));
         }

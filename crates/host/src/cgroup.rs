@@ -225,39 +225,40 @@ impl Cgroup {
     }
 
     /// How many times the kernel's OOM killer fired inside the sandbox.
-    pub fn oom_kills(&self) -> u64 {
+    pub fn oom_kills(&self) -> Option<u64> {
         if self.v2_limits {
             if let Some(u) = &self.unified {
-                return read_key(&u.join("memory.events"), "oom_kill").unwrap_or(0);
+                return read_key(&u.join("memory.events"), "oom_kill");
             }
         }
-        self.v1_dir("memory").and_then(|d| read_key(&d.join("memory.oom_control"), "oom_kill")).unwrap_or(0)
+        self.v1_dir("memory").and_then(|d| read_key(&d.join("memory.oom_control"), "oom_kill"))
     }
 
     /// Peak memory use in bytes (page cache and tmpfs included, as the limit counts them).
-    pub fn peak_memory(&self) -> u64 {
+    pub fn peak_memory(&self) -> Option<u64> {
         if self.v2_limits {
             if let Some(u) = &self.unified {
-                return read_u64(&u.join("memory.peak")).unwrap_or(0);
+                return read_u64(&u.join("memory.peak"));
             }
         }
-        self.v1_dir("memory").and_then(|d| read_u64(&d.join("memory.max_usage_in_bytes"))).unwrap_or(0)
+        self.v1_dir("memory").and_then(|d| read_u64(&d.join("memory.max_usage_in_bytes")))
     }
 
     /// Current memory use in bytes.
-    pub fn memory_current(&self) -> u64 {
+    pub fn memory_current(&self) -> Option<u64> {
         if self.v2_limits {
             if let Some(u) = &self.unified {
-                return read_u64(&u.join("memory.current")).unwrap_or(0);
+                return read_u64(&u.join("memory.current"));
             }
         }
-        self.v1_dir("memory").and_then(|d| read_u64(&d.join("memory.usage_in_bytes"))).unwrap_or(0)
+        self.v1_dir("memory").and_then(|d| read_u64(&d.join("memory.usage_in_bytes")))
     }
 
     /// CPU time used by the sandbox so far, in microseconds. The unified hierarchy keeps
-    /// `cpu.stat` even without the cpu controller (as on hybrid hosts); v1-only hosts report 0.
-    pub fn cpu_usage_usec(&self) -> u64 {
-        self.unified.as_ref().and_then(|u| read_key(&u.join("cpu.stat"), "usage_usec")).unwrap_or(0)
+    /// `cpu.stat` even without the cpu controller (as on hybrid hosts); on v1-only hosts it
+    /// is not known (`None`).
+    pub fn cpu_usage_usec(&self) -> Option<u64> {
+        self.unified.as_ref().and_then(|u| read_key(&u.join("cpu.stat"), "usage_usec"))
     }
 
     fn v1_dir(&self, c: &str) -> Option<&PathBuf> {

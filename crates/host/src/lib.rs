@@ -4,16 +4,20 @@
 //!   and one sandbox's groups, limits and counters. Everything goes through paths under the
 //!   layout's mount points, so a temporary directory tree stands in for `/sys/fs/cgroup` in
 //!   tests (no trait needed: the cgroup interface is plain files).
+//! - [`ledger`]: the on-disk record and lock of each live sandbox, and the reaping of those
+//!   whose owner died.
 //! - [`slots`]: distinct host uid ranges for concurrent sandboxes ([`UID_BASE`], [`UID_COUNT`]).
 //! - [`tun`]: the sandbox's one network interface when it has an egress policy.
 //! - [`sys`]: checked wrappers for pidfds, locks, the loopback interface, passing descriptors.
 
 pub mod cgroup;
+pub mod ledger;
 pub mod slots;
 pub mod sys;
 pub mod tun;
 
 pub use cgroup::{Cgroup, Layout};
+pub use ledger::Ledger;
 pub use slots::{Slot, Slots};
 
 /// Host uids/gids of sandbox `n` start at `UID_BASE + n * UID_COUNT`: far above the ranges

@@ -104,3 +104,24 @@ pub fn send_fd_with(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>, data: &[u8]) -> io
     }
     Ok(())
 }
+
+/// The running kernel's major and minor version, `(0, 0)` when it cannot be read.
+pub fn kernel_version() -> (u32, u32) {
+    let rel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut it = rel.split(|c: char| !c.is_ascii_digit()).filter_map(|p| p.parse::<u32>().ok());
+    (it.next().unwrap_or(0), it.next().unwrap_or(0))
+}
+
+/// Bytes used and total of the filesystem holding `path`; `None` when it cannot be read (the
+/// process whose view the path goes through is gone).
+pub fn disk_usage(path: &std::path::Path) -> Option<(u64, u64)> {
+    let c = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str())).ok()?;
+    // SAFETY: zeroed statvfs is a valid output buffer.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid path and output pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    let total = st.f_blocks * st.f_frsize;
+    Some((total - st.f_bfree * st.f_frsize, total))
+}

@@ -2,6 +2,7 @@
 //! shell script on the first connection and streams its output back.
 //! `cargo run -p cordon-jail --example probe -- ROOTFS 'SCRIPT'` (as root).
 
+use cordon_sandbox::host_sandbox::HostSandbox;
 use std::io::Read;
 use std::os::fd::FromRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};

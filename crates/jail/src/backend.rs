@@ -1,11 +1,10 @@
 //! The `ns` tier as a [`cordon_sandbox::Backend`]: images from the store, sandboxes from the
 //! [`Jail`], egress through the forwarder on the sandbox's TUN device.
 
-use std::os::fd::OwnedFd;
-use std::path::Path;
 use std::sync::Arc;
 
-use cordon_sandbox::{egress::Egress, Backend, Blocked, Capabilities, Denial, Error, Host, SandboxSpec};
+use cordon_sandbox::host_sandbox::HostBacked;
+use cordon_sandbox::{egress::Egress, Backend, Capabilities, Error, Host, SandboxSpec};
 use cordon_spec::{NetworkPolicy, Tier};
 
 use crate::Jail;
@@ -14,7 +13,7 @@ use crate::Jail;
 pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: true, host_oom_count: true };
 
 /// The tier table's row for ns.
-pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Ns, capabilities: CAPABILITIES, open };
+pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Ns, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
 
 /// Opens the tier, reaping what a crashed cordon left of it.
 pub fn open(host: &Host) -> Result<Arc<dyn Backend>, Error> {
@@ -29,72 +28,6 @@ pub struct JailBackend {
     store: cordon_image::Store,
     envd_version: Option<String>,
     dns_upstream: Option<std::net::SocketAddr>,
-}
-
-struct JailSandbox {
-    sandbox: crate::Sandbox,
-    egress: Egress,
-    start: Option<cordon_image::StartCommand>,
-}
-
-impl cordon_sandbox::Sandbox for JailSandbox {
-    fn socket_path(&self) -> &Path {
-        self.sandbox.socket_path()
-    }
-
-    fn death_fd(&self) -> Option<OwnedFd> {
-        self.sandbox.pidfd().and_then(|fd| fd.try_clone_to_owned().ok())
-    }
-
-    fn memory_current(&self) -> u64 {
-        self.sandbox.cgroup().memory_current()
-    }
-
-    fn cpu_usage_usec(&self) -> u64 {
-        self.sandbox.cgroup().cpu_usage_usec()
-    }
-
-    fn disk_usage(&self) -> (u64, u64) {
-        self.sandbox.disk_usage()
-    }
-
-    fn kill(&self) {
-        self.sandbox.kill()
-    }
-
-    fn oom_kills(&self) -> u64 {
-        self.sandbox.oom_kills()
-    }
-
-    fn peak_memory(&self) -> u64 {
-        self.sandbox.peak_memory()
-    }
-
-    fn landlock(&self) -> Option<String> {
-        Some(self.sandbox.landlock().to_string())
-    }
-
-    fn denials(&self) -> Vec<Denial> {
-        self.sandbox.denials()
-    }
-
-    fn blocked(&self) -> Vec<Blocked> {
-        self.egress.blocked()
-    }
-
-    fn set_network(&self, policy: NetworkPolicy) -> Result<(), Error> {
-        self.egress.set_network(policy)
-    }
-
-    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
-        self.start.as_ref()
-    }
-
-    fn destroy(&mut self) -> Result<(), Error> {
-        // The forwarder goes first: nothing is dialled for a sandbox being torn down.
-        self.egress.stop();
-        self.sandbox.destroy().map_err(|e| Error::failed("teardown", e))
-    }
 }
 
 /// Ports for Landlock's TCP connect rules: only when every allow rule names ports (see the
@@ -132,6 +65,6 @@ impl Backend for JailBackend {
         let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
         let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
         let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, crate::tun::MTU, self.dns_upstream)?;
-        Ok(Box::new(JailSandbox { sandbox, egress, start: image.meta.start.clone() }))
+        Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone() }))
     }
 }

@@ -23,6 +23,7 @@
 //! nothing of the host's paths. The agent's configuration arrives on a sealed memfd
 //! ([`CONFIG_FD`]), never in the environment, whose single strings the kernel caps at 128 KiB.
 
+use crate::landlock::Enforced;
 use crate::{rootfs, sys};
 use serde::{Deserialize, Serialize};
 use std::ffi::CString;
@@ -77,7 +78,8 @@ pub enum JailerReply {
     Ready {
         pid: i32,
         phases: Vec<(String, u64)>,
-        landlock: String,
+        /// `None` when the init exec'd without saying (it always says, before its exec).
+        landlock: Option<Enforced>,
         notify_fd: Option<i32>,
         #[serde(default)]
         tun_fd: Option<i32>,
@@ -125,7 +127,7 @@ pub fn main() -> ! {
 struct Ready {
     pid: i32,
     phases: Vec<(String, u64)>,
-    landlock: String,
+    landlock: Option<Enforced>,
     listener: Option<OwnedFd>,
     tun: Option<OwnedFd>,
 }
@@ -205,7 +207,7 @@ fn run(cfg: &JailerConfig) -> io::Result<Ready> {
 
 /// The jailer's half of the handshake: maps, idmapped image, then wait for exec or an error.
 /// Returns the Landlock status the init reported and, when auditing, the seccomp listener.
-fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<(String, Option<OwnedFd>)> {
+fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<(Option<Enforced>, Option<OwnedFd>)> {
     let map = format!("0 {} {}\n", cfg.uid_base, cfg.uid_count);
     fs::write(format!("/proc/{pid}/uid_map"), &map)?;
     fs::write(format!("/proc/{pid}/gid_map"), &map)?;
@@ -218,7 +220,7 @@ fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<(String
 
     // Messages until EOF: the seccomp listener (an fd), `landlock=<status>` just before exec,
     // or an error. EOF (the close-on-exec socket closing) means the exec happened.
-    let mut landlock = String::from("unknown");
+    let mut landlock = None;
     let mut listener = None;
     loop {
         let (msg, fd) = sys::recv_msg(sock)?;
@@ -231,7 +233,9 @@ fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<(String
         }
         let msg = String::from_utf8_lossy(&msg).into_owned();
         match msg.strip_prefix("landlock=") {
-            Some(status) => landlock = status.to_string(),
+            Some(status) => {
+                landlock = Some(Enforced::parse(status).ok_or_else(|| io::Error::other(format!("the init sent an unknown Landlock status {status:?}")))?)
+            }
             None => return Err(io::Error::other(msg)),
         }
     }
@@ -275,7 +279,7 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
         disk_bytes: cfg.disk_bytes,
         hostname: &cfg.id,
         nameservers: cfg.tun,
-    })?;
+    }, &rootfs::Kernel)?;
 
     sys::setrlimit(libc::RLIMIT_NOFILE, cfg.nofile, cfg.nofile)?;
     sys::setrlimit(libc::RLIMIT_CORE, 0, 0)?;
@@ -308,7 +312,7 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     if let Some(listener) = crate::seccomp::apply(cfg.allow_ptrace, cfg.audit)? {
         sys::send_fd(sock, &listener)?;
     }
-    let status = format!("landlock={landlock:?}").to_lowercase();
+    let status = format!("landlock={}", landlock.as_str());
     // SAFETY: writing a local buffer to our socket end.
     unsafe { libc::write(sock.as_raw_fd(), status.as_ptr().cast(), status.len()) };
 

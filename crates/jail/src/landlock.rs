@@ -20,11 +20,30 @@ use std::io;
 use std::os::fd::BorrowedFd;
 
 /// What Landlock enforcement the sandbox got.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Enforced {
     Full,
     Partial,
     None,
+}
+
+impl Enforced {
+    const ALL: [Enforced; 3] = [Enforced::Full, Enforced::Partial, Enforced::None];
+
+    /// The name the API and `--json` show (`full`, `partial`, `none`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Enforced::Full => "full",
+            Enforced::Partial => "partial",
+            Enforced::None => "none",
+        }
+    }
+
+    /// The value of [`Enforced::as_str`], back; `None` for anything else.
+    pub fn parse(s: &str) -> Option<Enforced> {
+        Enforced::ALL.into_iter().find(|e| e.as_str() == s)
+    }
 }
 
 /// Restricts the calling process (and everything it will exec) to the current root. `agent`

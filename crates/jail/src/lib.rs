@@ -2,8 +2,8 @@
 //! nothing of the host.
 //!
 //! [`Jail`] owns the state directory. [`Jail::create`] plans a sandbox (id, uid range, cgroups),
-//! records the plan on disk before touching the kernel (so a crash at any point leaves
-//! something the next start can reap), then runs the [`jailer`] which builds the namespaces and
+//! records the plan in the run ledger (`cordon_host::ledger`) before touching the kernel (so a
+//! crash at any point leaves something the next start can reap), then runs the [`jailer`] which builds the namespaces and
 //! execs `cordon-agent` as the sandbox's PID 1. [`Sandbox`] is the live handle; dropping it
 //! tears everything down. [`backend`] is the tier as a `cordon_sandbox::Backend`; cgroups, uid
 //! slots and the TUN device come from `cordon-host`, shared with the other tiers.
@@ -11,20 +11,21 @@
 pub mod audit;
 pub mod backend;
 mod caps;
+pub mod diagnose;
 pub mod jailer;
-mod landlock;
+pub mod landlock;
 mod procview;
 mod rootfs;
 mod seccomp;
 mod sys;
 
-pub use cordon_host::{cgroup, slots, tun, Cgroup, Layout, Slot, Slots, UID_BASE, UID_COUNT};
+pub use cordon_host::{cgroup, ledger, slots, tun, Cgroup, Layout, Ledger, Slot, Slots, UID_BASE, UID_COUNT};
 /// Brings up `lo` in the caller's network namespace (the vm tier's guest init uses it too).
 pub use seccomp::programs as seccomp_programs;
 pub use sys::{loopback_up, send_fd_with};
 
+use cordon_sandbox::host_sandbox::HostSandbox;
 use cordon_spec::Limits;
-use serde::{Deserialize, Serialize};
 use std::fs;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -75,18 +76,9 @@ pub struct SandboxConfig {
     pub connect_ports: Option<Vec<(u16, u16)>>,
 }
 
-/// What is on disk about a sandbox, enough to reap it after a crash.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Record {
-    id: String,
-    slot: u32,
-    cgroup: Cgroup,
-    pid: Option<i32>,
-}
-
 /// The state directory and the cgroup layout of this host.
 pub struct Jail {
-    run_dir: PathBuf,
+    ledger: Ledger,
     slots: slots::Slots,
     layout: Layout,
     exe: PathBuf,
@@ -96,8 +88,7 @@ impl Jail {
     /// Opens (creating) `<state>/run` and `<state>/slots`, and reaps whatever a previous,
     /// crashed instance left behind. `exe` is the cordon binary, re-run as the jailer.
     pub fn open(state_dir: &Path, exe: PathBuf) -> Result<Jail, JailError> {
-        let run_dir = state_dir.join("run");
-        fs::create_dir_all(&run_dir).map_err(io_err(format!("create {}", run_dir.display())))?;
+        let ledger = Ledger::open(state_dir.join("run"), "sandbox").map_err(io_err("open the run directory"))?;
         let slots = slots::Slots::open(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
         let layout = Layout::detect();
         let missing = layout.missing();
@@ -107,7 +98,7 @@ impl Jail {
                 missing.join(", ")
             )));
         }
-        let jail = Jail { run_dir, slots, layout, exe };
+        let jail = Jail { ledger, slots, layout, exe };
         jail.reap_orphans();
         Ok(jail)
     }
@@ -118,58 +109,25 @@ impl Jail {
 
     /// Kills and removes every sandbox whose owning process is gone. Returns how many.
     pub fn reap_orphans(&self) -> usize {
-        let Ok(entries) = fs::read_dir(&self.run_dir) else { return 0 };
-        let mut reaped = 0;
-        for e in entries.flatten() {
-            let dir = e.path();
-            let Ok(lock) = fs::File::open(dir.join("lock")) else {
-                // A directory without a lock is a create that died before it made one.
-                let _ = fs::remove_dir_all(&dir);
-                continue;
-            };
-            if !sys::flock_exclusive_nb(&lock).unwrap_or(false) {
-                continue; // its owner is alive
-            }
-            if let Ok(rec) = fs::read(dir.join("record.json"))
-                .map_err(drop)
-                .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(drop))
-            {
-                tracing::info!(id = %rec.id, "reaping sandbox left by a dead cordon process");
-                rec.cgroup.kill_and_wait(Duration::from_secs(5));
-                let _ = rec.cgroup.remove();
-            }
-            let _ = fs::remove_dir_all(&dir);
-            reaped += 1;
-        }
-        reaped
+        self.ledger.reap()
     }
 
     /// Creates a running sandbox whose agent is listening on [`Sandbox::socket_path`].
     pub fn create(&self, cfg: &SandboxConfig) -> Result<Sandbox, JailError> {
         cfg.limits.validate().map_err(|e| JailError::Setup(e.to_string()))?;
-        let dir = self.run_dir.join(&cfg.id);
-        fs::create_dir(&dir).map_err(io_err(format!("create {}", dir.display())))?;
-        let lock = match fs::File::create(dir.join("lock")) {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = fs::remove_dir_all(&dir);
-                return Err(io_err("create lock")(e));
-            }
-        };
-        // Held for the sandbox's life: a free lock means a dead owner (see reap_orphans).
-        let _ = sys::flock_exclusive_nb(&lock);
+        // Held for the sandbox's life: a free lock means a dead owner (see `reap_orphans`).
+        let entry = self.ledger.begin(&cfg.id, 0o777).map_err(io_err("make the sandbox's run directory"))?;
 
         let mut sb = Sandbox {
             id: cfg.id.clone(),
-            dir,
+            entry,
             socket: PathBuf::new(),
             cgroup: Cgroup::plan(&self.layout, &cfg.id),
             slot: None,
             pidfd: None,
             pid: 0,
-            _lock: lock,
             torn_down: false,
-            landlock: String::new(),
+            landlock: None,
             audit: None,
             tun: None,
         };
@@ -177,8 +135,8 @@ impl Jail {
         let slot = self.slots.acquire().ok_or(JailError::NoSlot(self.slots.capacity()))?;
         let slot_index = slot.index;
         sb.slot = Some(slot);
-        sb.socket = sb.dir.join("agent.sock");
-        let staging = sb.dir.join("root");
+        sb.socket = sb.entry.dir().join("agent.sock");
+        let staging = sb.entry.dir().join("root");
         fs::create_dir(&staging).map_err(io_err("create staging dir"))?;
         sb.write_record()?;
         sb.cgroup.create(&cfg.limits).map_err(io_err("create cgroups"))?;
@@ -208,7 +166,7 @@ impl Jail {
         match reply {
             jailer::JailerReply::Failed { error } => Err(JailError::Setup(error)),
             jailer::JailerReply::Ready { pid, phases, landlock, .. } => {
-                tracing::debug!(id = %cfg.id, ?phases, %landlock, "jailer done (µs since jailer start)");
+                tracing::debug!(id = %cfg.id, ?phases, ?landlock, "jailer done (µs since jailer start)");
                 sb.landlock = landlock;
                 sb.pid = pid;
                 sb.pidfd = Some(sys::pidfd_open(pid).map_err(io_err("pidfd_open sandbox init"))?);
@@ -222,15 +180,15 @@ impl Jail {
 /// A live sandbox. Dropping it kills everything in it and removes every trace.
 pub struct Sandbox {
     id: String,
-    dir: PathBuf,
+    /// The run directory (socket, staging root, record), locked while the sandbox lives.
+    entry: ledger::Entry,
     socket: PathBuf,
     cgroup: Cgroup,
     slot: Option<slots::Slot>,
     pidfd: Option<OwnedFd>,
     pid: i32,
-    _lock: fs::File,
     torn_down: bool,
-    landlock: String,
+    landlock: Option<landlock::Enforced>,
     audit: Option<audit::Trail>,
     tun: Option<OwnedFd>,
 }
@@ -241,23 +199,8 @@ impl Sandbox {
         self.tun.take()
     }
 
-    /// The syscalls the filter denied so far, when the sandbox was created with `audit`.
-    pub fn denials(&self) -> Vec<audit::Denial> {
-        self.audit.as_ref().map(|a| a.denials()).unwrap_or_default()
-    }
-
-    /// How much Landlock the kernel enforced: `full`, `partial` or `none`.
-    pub fn landlock(&self) -> &str {
-        &self.landlock
-    }
-
     pub fn id(&self) -> &str {
         &self.id
-    }
-
-    /// The agent's socket, reachable only from the host.
-    pub fn socket_path(&self) -> &Path {
-        &self.socket
     }
 
     /// Host pid of the sandbox's init (the agent).
@@ -275,19 +218,6 @@ impl Sandbox {
         self.pidfd.as_ref().map(|f| f.as_fd())
     }
 
-    pub fn cgroup(&self) -> &Cgroup {
-        &self.cgroup
-    }
-
-    /// Kills every process of the sandbox now. Killing the init of a pid namespace makes the
-    /// kernel kill all of it; the cgroup kill catches anything else in the groups.
-    pub fn kill(&self) {
-        if let Some(fd) = &self.pidfd {
-            let _ = sys::pidfd_kill(fd);
-        }
-        self.cgroup.kill();
-    }
-
     /// Whether the init has exited.
     pub fn has_exited(&self) -> bool {
         let Some(fd) = &self.pidfd else { return true };
@@ -296,41 +226,46 @@ impl Sandbox {
         unsafe { libc::poll(&mut p, 1, 0) > 0 }
     }
 
-    /// Bytes used and total of the writable layer, read through the init's view of its root.
-    pub fn disk_usage(&self) -> (u64, u64) {
-        let Ok(path) = std::ffi::CString::new(format!("/proc/{}/root/", self.pid)) else { return (0, 0) };
-        // SAFETY: zeroed statvfs is a valid output buffer.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: valid path and output pointer.
-        if self.pid <= 0 || unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
-            return (0, 0);
-        }
-        let total = st.f_blocks * st.f_frsize;
-        (total - st.f_bfree * st.f_frsize, total)
-    }
-
-    pub fn oom_kills(&self) -> u64 {
-        self.cgroup.oom_kills()
-    }
-
-    pub fn peak_memory(&self) -> u64 {
-        self.cgroup.peak_memory()
-    }
-
     fn write_record(&self) -> Result<(), JailError> {
-        let rec = Record {
-            id: self.id.clone(),
-            slot: self.slot.as_ref().map_or(0, |s| s.index),
-            cgroup: self.cgroup.clone(),
-            pid: (self.pid > 0).then_some(self.pid),
-        };
-        let tmp = self.dir.join("record.json.tmp");
-        fs::write(&tmp, serde_json::to_vec(&rec).expect("record serialises")).map_err(io_err("write record"))?;
-        fs::rename(&tmp, self.dir.join("record.json")).map_err(io_err("write record"))
+        let (pid, slot) = ((self.pid > 0).then_some(self.pid), self.slot.as_ref().map(|s| s.index));
+        self.entry.record(&self.id, &self.cgroup, pid, slot).map_err(io_err("write record"))
+    }
+}
+
+/// What the sandbox crate's [`HostBacked`](cordon_sandbox::host_sandbox::HostBacked) needs of a
+/// live ns sandbox.
+impl HostSandbox for Sandbox {
+    type Error = JailError;
+
+    /// A pidfd of the init; it becomes readable when the sandbox dies.
+    fn death_fd(&self) -> Option<OwnedFd> {
+        self.pidfd.as_ref().and_then(|fd| fd.try_clone().ok())
     }
 
+    /// The agent's socket, reachable only from the host.
+    fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+    fn cgroup(&self) -> &Cgroup {
+        &self.cgroup
+    }
+    /// Kills every process of the sandbox now. Killing the init of a pid namespace makes the
+    /// kernel kill all of it; the cgroup kill catches anything else in the groups.
+    fn kill(&self) {
+        if let Some(fd) = &self.pidfd {
+            let _ = sys::pidfd_kill(fd);
+        }
+        self.cgroup.kill();
+    }
+    /// Bytes used and total of the writable layer, read through the init's view of its root.
+    fn disk_usage(&self) -> Option<(u64, u64)> {
+        if self.pid <= 0 {
+            return None;
+        }
+        cordon_host::sys::disk_usage(Path::new(&format!("/proc/{}/root/", self.pid)))
+    }
     /// Kills the sandbox and removes its processes, cgroups and files. Idempotent.
-    pub fn destroy(&mut self) -> Result<(), JailError> {
+    fn destroy(&mut self) -> Result<(), JailError> {
         if self.torn_down {
             return Ok(());
         }
@@ -344,12 +279,20 @@ impl Sandbox {
         }
         let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
         let removed = self.cgroup.remove();
-        let _ = fs::remove_dir_all(&self.dir);
+        self.entry.remove();
         self.slot.take();
         if !emptied {
             return Err(JailError::Setup(format!("sandbox {} did not die within 5 s", self.id)));
         }
         removed.map_err(io_err("remove cgroups"))
+    }
+    /// The syscalls the filter denied so far, when the sandbox was created with `audit`.
+    fn denials(&self) -> Vec<cordon_sandbox::Denial> {
+        self.audit.as_ref().map(|a| a.denials()).unwrap_or_default()
+    }
+    /// How much Landlock the kernel enforced (`unknown` if the init never said).
+    fn landlock(&self) -> Option<String> {
+        Some(self.landlock.map_or("unknown", landlock::Enforced::as_str).to_string())
     }
 }
 

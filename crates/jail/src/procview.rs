@@ -9,7 +9,7 @@
 //! too. The synthesized files live in a directory of the writable layer's tmpfs that the
 //! sandbox cannot reach except through these read-only binds.
 
-use crate::sys;
+use crate::rootfs::MountOps;
 use std::fs;
 use std::io;
 use std::path::Path;
@@ -39,15 +39,15 @@ pub(crate) fn write_files(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// Binds the files of `dir` over their /proc counterparts, read-only. Runs with the new root as
-/// the working directory, after the rest of /proc is masked (a bind over /proc/sys would hide a
-/// boot_id bound before it).
-pub(crate) fn bind_over_proc(dir: &Path) -> io::Result<()> {
+/// Binds the files of `dir` over their /proc counterparts under the new root `root`, read-only,
+/// after the rest of /proc is masked (a bind over /proc/sys would hide a boot_id bound before
+/// it).
+pub(crate) fn bind_over_proc(ops: &dyn MountOps, dir: &Path, root: &Path) -> io::Result<()> {
     let ro = libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     for (name, target) in SYNTHESIZED {
-        let target = Path::new(target);
+        let target = root.join(target);
         if target.exists() {
-            sys::bind_with(&dir.join(name), target, ro)?;
+            ops.bind_with(&dir.join(name), &target, ro)?;
         }
     }
     Ok(())

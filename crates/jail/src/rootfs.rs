@@ -10,7 +10,7 @@ use std::fs;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{symlink, DirBuilderExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// What the new root is made of.
 pub struct RootPlan<'a> {
@@ -48,18 +48,90 @@ fn mkdir(p: &Path, mode: u32) -> io::Result<()> {
     }
 }
 
-/// Builds the root and pivots into it. Runs as root of the sandbox's user namespace.
-pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
-    sys::make_private_recursive("/")?;
+/// The mount-namespace calls rootfs assembly makes: the kernel's in the jailer ([`Kernel`]), a
+/// recorder in the unit tests (as youki's `Syscall` trait), so the order and arguments of every
+/// mount are checked without root.
+pub trait MountOps {
+    fn make_private_recursive(&self, target: &str) -> io::Result<()>;
+    fn mount(&self, src: &str, target: &Path, fstype: &str, flags: libc::c_ulong, data: Option<&str>) -> io::Result<()>;
+    fn bind(&self, src: &Path, target: &Path) -> io::Result<()>;
+    /// A bind, then a remount of it with `flags`.
+    fn bind_with(&self, src: &Path, target: &Path, flags: libc::c_ulong) -> io::Result<()>;
+    fn move_mount_to(&self, tree: &OwnedFd, target: &Path) -> io::Result<()>;
+    fn chdir(&self, dir: &Path) -> io::Result<()>;
+    fn sethostname(&self, name: &str) -> io::Result<()>;
+    /// `pivot_root` into the working directory and detach the old root.
+    fn pivot_to_cwd(&self) -> io::Result<()>;
+    /// Where the tree staged at `staged` is seen once pivoted into: `/` for the kernel.
+    fn root_after_pivot(&self, staged: &Path) -> PathBuf;
+}
 
+/// The real calls, in the jailer's fresh mount namespace.
+pub struct Kernel;
+
+impl MountOps for Kernel {
+    fn make_private_recursive(&self, target: &str) -> io::Result<()> {
+        sys::make_private_recursive(target)
+    }
+    fn mount(&self, src: &str, target: &Path, fstype: &str, flags: libc::c_ulong, data: Option<&str>) -> io::Result<()> {
+        sys::mount(src, target, fstype, flags, data)
+    }
+    fn bind(&self, src: &Path, target: &Path) -> io::Result<()> {
+        sys::bind(src, target)
+    }
+    fn bind_with(&self, src: &Path, target: &Path, flags: libc::c_ulong) -> io::Result<()> {
+        sys::bind_with(src, target, flags)
+    }
+    fn move_mount_to(&self, tree: &OwnedFd, target: &Path) -> io::Result<()> {
+        sys::move_mount_to(tree, target)
+    }
+    fn chdir(&self, dir: &Path) -> io::Result<()> {
+        sys::chdir(dir)
+    }
+    fn sethostname(&self, name: &str) -> io::Result<()> {
+        sys::sethostname(name)
+    }
+    fn pivot_to_cwd(&self) -> io::Result<()> {
+        sys::pivot_to_cwd()
+    }
+    fn root_after_pivot(&self, _staged: &Path) -> PathBuf {
+        PathBuf::from("/")
+    }
+}
+
+const NOSUID_NODEV_NOEXEC: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+
+/// Builds the root and pivots into it. Runs as root of the sandbox's user namespace.
+pub fn enter(plan: RootPlan<'_>, ops: &dyn MountOps) -> io::Result<()> {
+    ops.make_private_recursive("/")?;
     let st = plan.staging;
-    let disk = plan.disk_bytes;
+    let root = stage_layers(ops, st, plan.image, plan.disk_bytes)?;
+    mount_proc(ops, st, &root)?;
+    mount_dev(ops, st, &root)?;
+    ops.bind_with(&st.join(SHARED_TMP), &root.join("tmp"), libc::MS_NOSUID | libc::MS_NODEV)?;
+
+    ops.sethostname(plan.hostname)?;
+    // The overlay root is the working directory (see `stage_layers`).
+    ops.pivot_to_cwd()?;
+    // Only now, with no path left to a host file, are the image's files written: an image's
+    // /etc/hosts may be a symlink to anywhere.
+    let root = ops.root_after_pivot(&root);
+    name_host(&root, plan.hostname);
+    if plan.nameservers {
+        point_resolver_at_gateway(&root)?;
+    }
+    Ok(())
+}
+
+/// Mounts the writable layer's tmpfs on `st`, the image under it and the overlay of both at
+/// `st/root`, and makes that the working directory. Returns the overlay's path.
+fn stage_layers(ops: &dyn MountOps, st: &Path, image: OwnedFd, disk: u64) -> io::Result<PathBuf> {
     // One size-capped tmpfs, private to this mount namespace, holds everything the sandbox can
     // write: the overlay's upper and work dirs, `/tmp` and `/dev/shm` (bound from subdirectories
     // of it), so `--disk` is one budget for all three, as the flag says. It holds no host disk,
     // reaches ENOSPC at the cap, and disappears with the namespace even if no teardown code ever
     // runs.
-    sys::mount("cordon-rw", st, "tmpfs", libc::MS_NOATIME, Some(&format!("size={disk},mode=0755")))?;
+    ops.mount("cordon-rw", st, "tmpfs", libc::MS_NOATIME, Some(&format!("size={disk},mode=0755")))?;
     let (upper, work, lower, root) = (st.join("upper"), st.join("work"), st.join("lower"), st.join("root"));
     for d in [&upper, &work, &lower, &root] {
         mkdir(d, 0o755)?;
@@ -72,62 +144,54 @@ pub fn enter(plan: RootPlan<'_>) -> io::Result<()> {
         fs::set_permissions(st.join(d), fs::Permissions::from_mode(0o1777))?;
     }
     crate::procview::write_files(&st.join(PROC_VIEW))?;
-    sys::move_mount_to(&plan.image, &lower)?;
-    drop(plan.image);
+    ops.move_mount_to(&image, &lower)?;
+    drop(image);
     // Relative layer paths (resolved against the staging dir) keep host paths out of the
     // sandbox's /proc/mounts.
-    sys::chdir(st)?;
-    sys::mount(
-        "cordon-root",
-        Path::new("root"),
-        "overlay",
-        libc::MS_NOATIME,
-        Some("lowerdir=lower,upperdir=upper,workdir=work,userxattr"),
-    )?;
-
-    sys::chdir(&root)?;
-    let here = Path::new(".");
+    ops.chdir(st)?;
+    ops.mount("cordon-root", Path::new("root"), "overlay", libc::MS_NOATIME, Some("lowerdir=lower,upperdir=upper,workdir=work,userxattr"))?;
+    ops.chdir(&root)?;
     for d in ["proc", "dev", "sys", "tmp"] {
-        mkdir(&here.join(d), 0o755)?;
+        mkdir(&root.join(d), 0o755)?;
     }
-    let nosuid_nodev_noexec = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
-    sys::mount("proc", Path::new("proc"), "proc", nosuid_nodev_noexec, None)?;
-    zero_nested_namespace_counts()?;
-    mask_proc()?;
-    crate::procview::bind_over_proc(&st.join(PROC_VIEW))?;
+    Ok(root)
+}
 
-    sys::mount("cordon-dev", Path::new("dev"), "tmpfs", libc::MS_NOSUID | libc::MS_NOEXEC, Some("mode=0755,size=64k,nr_inodes=64"))?;
-    for dev in DEVICES {
-        let target = Path::new("dev").join(dev);
+/// A fresh /proc with the host's knobs masked and the host-describing files replaced.
+fn mount_proc(ops: &dyn MountOps, st: &Path, root: &Path) -> io::Result<()> {
+    ops.mount("proc", &root.join("proc"), "proc", NOSUID_NODEV_NOEXEC, None)?;
+    zero_nested_namespace_counts(root)?;
+    mask_proc(ops, root)?;
+    crate::procview::bind_over_proc(ops, &st.join(PROC_VIEW), root)
+}
+
+/// A /dev of its own: the harmless devices, a private devpts, /dev/shm on the writable layer.
+fn mount_dev(ops: &dyn MountOps, st: &Path, root: &Path) -> io::Result<()> {
+    let dev = root.join("dev");
+    ops.mount("cordon-dev", &dev, "tmpfs", libc::MS_NOSUID | libc::MS_NOEXEC, Some("mode=0755,size=64k,nr_inodes=64"))?;
+    for name in DEVICES {
+        let target = dev.join(name);
         fs::File::create(&target).map_err(|e| io::Error::new(e.kind(), format!("create {}: {e}", target.display())))?;
-        sys::bind(&Path::new("/dev").join(dev), &target)?;
+        ops.bind(&Path::new("/dev").join(name), &target)?;
     }
-    mkdir(Path::new("dev/pts"), 0o755)?;
-    sys::mount(
+    mkdir(&dev.join("pts"), 0o755)?;
+    ops.mount(
         "devpts",
-        Path::new("dev/pts"),
+        &dev.join("pts"),
         "devpts",
         libc::MS_NOSUID | libc::MS_NOEXEC,
         Some(&format!("newinstance,ptmxmode=0666,mode=0620,max={PTYS_MAX}")),
     )?;
-    mkdir(Path::new("dev/shm"), 0o1777)?;
-    sys::bind_with(&st.join(SHARED_SHM), Path::new("dev/shm"), nosuid_nodev_noexec)?;
+    mkdir(&dev.join("shm"), 0o1777)?;
+    ops.bind_with(&st.join(SHARED_SHM), &dev.join("shm"), NOSUID_NODEV_NOEXEC)?;
     for (link, target) in [
-        ("dev/ptmx", "pts/ptmx"),
-        ("dev/fd", "/proc/self/fd"),
-        ("dev/stdin", "/proc/self/fd/0"),
-        ("dev/stdout", "/proc/self/fd/1"),
-        ("dev/stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
     ] {
-        symlink(target, link).map_err(|e| io::Error::new(e.kind(), format!("symlink {link}: {e}")))?;
-    }
-    sys::bind_with(&st.join(SHARED_TMP), Path::new("tmp"), libc::MS_NOSUID | libc::MS_NODEV)?;
-
-    sys::sethostname(plan.hostname)?;
-    sys::pivot_to_cwd()?;
-    name_host(plan.hostname);
-    if plan.nameservers {
-        point_resolver_at_gateway()?;
+        symlink(target, dev.join(link)).map_err(|e| io::Error::new(e.kind(), format!("symlink dev/{link}: {e}")))?;
     }
     Ok(())
 }
@@ -151,9 +215,9 @@ const ZERO_IN_USER_NS: [&str; 10] = [
     "max_fanotify_marks",
 ];
 
-fn zero_nested_namespace_counts() -> io::Result<()> {
+fn zero_nested_namespace_counts(root: &Path) -> io::Result<()> {
     for name in ZERO_IN_USER_NS {
-        let p = Path::new("proc/sys/user").join(name);
+        let p = root.join("proc/sys/user").join(name);
         // Older kernels lack some of these (time namespaces, fanotify's counts).
         if p.exists() {
             fs::write(&p, "0").map_err(|e| io::Error::new(e.kind(), format!("write 0 to /proc/sys/user/{name}: {e}")))?;
@@ -173,27 +237,27 @@ const MASKED_DIRS: [&str; 4] = ["acpi", "asound", "scsi", "pressure"];
 /// Host-wide knobs that stay readable but not writable.
 const READ_ONLY: [&str; 5] = ["bus", "fs", "irq", "sys", "sysrq-trigger"];
 
-/// Masks the parts of the fresh /proc (relative to the new root's directory) that describe or
-/// control the host rather than the sandbox.
-fn mask_proc() -> io::Result<()> {
-    let proc = Path::new("proc");
+/// Masks the parts of the fresh /proc (under the new root `root`) that describe or control the
+/// host rather than the sandbox.
+fn mask_proc(ops: &dyn MountOps, root: &Path) -> io::Result<()> {
+    let proc = root.join("proc");
     for f in MASKED_FILES {
         let p = proc.join(f);
         if p.exists() {
-            sys::bind(Path::new("/dev/null"), &p)?;
+            ops.bind(Path::new("/dev/null"), &p)?;
         }
     }
     for d in MASKED_DIRS {
         let p = proc.join(d);
         if p.is_dir() {
-            sys::mount("cordon-masked", &p, "tmpfs", libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, Some("size=0,mode=0555"))?;
+            ops.mount("cordon-masked", &p, "tmpfs", libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, Some("size=0,mode=0555"))?;
         }
     }
     for r in READ_ONLY {
         let p = proc.join(r);
         if p.exists() {
-            sys::bind(&p, &p)?;
-            sys::mount(
+            ops.bind(&p, &p)?;
+            ops.mount(
                 "",
                 &p,
                 "",
@@ -208,17 +272,211 @@ fn mask_proc() -> io::Result<()> {
 /// Makes the sandbox's hostname resolve (sudo and many tools look it up) by adding it to the
 /// sandbox's own /etc/hosts, a write that lands in the writable layer. Images without the file
 /// are left alone.
-fn name_host(hostname: &str) {
+fn name_host(root: &Path, hostname: &str) {
     use std::io::Write;
-    if let Ok(mut f) = fs::OpenOptions::new().append(true).open("/etc/hosts") {
+    if let Ok(mut f) = fs::OpenOptions::new().append(true).open(root.join("etc/hosts")) {
         let _ = writeln!(f, "127.0.1.1\t{hostname}");
     }
 }
 
 /// Replaces the image's /etc/resolv.conf (in the writable layer) with the gateway, where the
 /// forwarder answers. A symlink (systemd-resolved images) is replaced, not followed.
-fn point_resolver_at_gateway() -> io::Result<()> {
-    let path = Path::new("/etc/resolv.conf");
-    let _ = fs::remove_file(path);
-    fs::write(path, crate::tun::resolv_conf()).map_err(|e| io::Error::new(e.kind(), format!("write /etc/resolv.conf: {e}")))
+fn point_resolver_at_gateway(root: &Path) -> io::Result<()> {
+    let path = root.join("etc/resolv.conf");
+    let _ = fs::remove_file(&path);
+    fs::write(&path, crate::tun::resolv_conf()).map_err(|e| io::Error::new(e.kind(), format!("write /etc/resolv.conf: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    //! Rootfs assembly through a recording [`MountOps`]: every mount's order, target and options,
+    //! and every file the assembly writes, checked in a temporary tree without root.
+
+    use super::*;
+    use std::cell::RefCell;
+
+    /// Records each call as one line; fails the call whose line starts with `fail_on`.
+    #[derive(Default)]
+    struct Recorder {
+        calls: RefCell<Vec<String>>,
+        fail_on: Option<&'static str>,
+    }
+
+    impl Recorder {
+        fn note(&self, line: String) -> io::Result<()> {
+            let fail = self.fail_on.is_some_and(|f| line.starts_with(f));
+            self.calls.borrow_mut().push(line);
+            if fail {
+                Err(io::Error::from_raw_os_error(libc::EPERM))
+            } else {
+                Ok(())
+            }
+        }
+        fn calls(&self) -> Vec<String> {
+            self.calls.borrow().clone()
+        }
+    }
+
+    impl MountOps for Recorder {
+        fn make_private_recursive(&self, target: &str) -> io::Result<()> {
+            self.note(format!("private {target}"))
+        }
+        fn mount(&self, src: &str, target: &Path, fstype: &str, flags: libc::c_ulong, data: Option<&str>) -> io::Result<()> {
+            self.note(format!("mount {fstype} {src} {} {flags:#x} {}", target.display(), data.unwrap_or("-")))
+        }
+        fn bind(&self, src: &Path, target: &Path) -> io::Result<()> {
+            self.note(format!("bind {} {}", src.display(), target.display()))
+        }
+        fn bind_with(&self, src: &Path, target: &Path, flags: libc::c_ulong) -> io::Result<()> {
+            self.note(format!("bind_with {} {} {flags:#x}", src.display(), target.display()))
+        }
+        fn move_mount_to(&self, _tree: &OwnedFd, target: &Path) -> io::Result<()> {
+            self.note(format!("move_mount {}", target.display()))
+        }
+        fn chdir(&self, dir: &Path) -> io::Result<()> {
+            self.note(format!("chdir {}", dir.display()))
+        }
+        fn sethostname(&self, name: &str) -> io::Result<()> {
+            self.note(format!("sethostname {name}"))
+        }
+        fn pivot_to_cwd(&self) -> io::Result<()> {
+            self.note("pivot".into())
+        }
+        fn root_after_pivot(&self, staged: &Path) -> PathBuf {
+            staged.to_path_buf()
+        }
+    }
+
+    /// A staging directory whose `root` already holds what the image and a kernel's /proc would
+    /// show there (nothing is really mounted).
+    fn staging(name: &str) -> PathBuf {
+        let st = std::env::temp_dir().join(format!("cordon-rootfs-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&st);
+        let root = st.join("root");
+        for d in ["proc/pressure", "proc/sys/user", "proc/sys/kernel/random", "etc", "run"] {
+            fs::create_dir_all(root.join(d)).unwrap();
+        }
+        for f in ["proc/kcore", "proc/cmdline", "proc/sys/kernel/random/boot_id", "proc/sys/user/max_user_namespaces"] {
+            fs::write(root.join(f), "host\n").unwrap();
+        }
+        fs::write(root.join("etc/hosts"), "127.0.0.1\tlocalhost\n").unwrap();
+        fs::write(root.join("run/stub-resolv.conf"), "nameserver 127.0.0.53\n").unwrap();
+        symlink("../run/stub-resolv.conf", root.join("etc/resolv.conf")).unwrap();
+        st
+    }
+
+    fn plan<'a>(st: &'a Path, nameservers: bool) -> RootPlan<'a> {
+        RootPlan { staging: st, image: fs::File::open(st).unwrap().into(), disk_bytes: 1 << 20, hostname: "sb-test", nameservers }
+    }
+
+    fn position(calls: &[String], prefix: &str) -> usize {
+        calls.iter().position(|c| c.starts_with(prefix)).unwrap_or_else(|| panic!("no call `{prefix}…` in {calls:#?}"))
+    }
+
+    #[test]
+    fn mounts_come_in_the_order_that_keeps_the_host_out() {
+        let st = staging("order");
+        let root = st.join("root");
+        let ops = Recorder::default();
+        enter(plan(&st, true), &ops).unwrap();
+        let calls = ops.calls();
+        let (s, r) = (st.display(), root.display());
+
+        // Nothing propagates back to the host, and that comes before any mount.
+        assert_eq!(calls[0], "private /");
+        let steps = [
+            format!("mount tmpfs cordon-rw {s} {:#x} size=1048576,mode=0755", libc::MS_NOATIME),
+            format!("move_mount {s}/lower"),
+            format!("chdir {s}"),
+            // Relative layer paths: no host path in the sandbox's /proc/mounts.
+            format!("mount overlay cordon-root root {:#x} lowerdir=lower,upperdir=upper,workdir=work,userxattr", libc::MS_NOATIME),
+            format!("chdir {r}"),
+            format!("mount proc proc {r}/proc"),
+            format!("bind /dev/null {r}/proc/kcore"),
+            format!("mount tmpfs cordon-masked {r}/proc/pressure"),
+            format!("bind {r}/proc/sys {r}/proc/sys"),
+            format!("mount   {r}/proc/sys"),
+            format!("bind_with {s}/proc/cmdline {r}/proc/cmdline"),
+            format!("bind_with {s}/proc/boot_id {r}/proc/sys/kernel/random/boot_id"),
+            format!("mount tmpfs cordon-dev {r}/dev"),
+            format!("bind /dev/null {r}/dev/null"),
+            format!("mount devpts devpts {r}/dev/pts {:#x} newinstance,ptmxmode=0666,mode=0620,max={PTYS_MAX}", libc::MS_NOSUID | libc::MS_NOEXEC),
+            format!("bind_with {s}/shm {r}/dev/shm"),
+            format!("bind_with {s}/tmp {r}/tmp"),
+            "sethostname sb-test".to_string(),
+            "pivot".to_string(),
+        ];
+        let at: Vec<usize> = steps.iter().map(|p| position(&calls, p)).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "steps out of order: {at:?} in {calls:#?}");
+        assert_eq!(calls.last().map(String::as_str), Some("pivot"), "nothing may be mounted after the pivot");
+        // The pivot is into the overlay: the last directory entered is the new root.
+        assert_eq!(calls.iter().rfind(|c| c.starts_with("chdir")), Some(&format!("chdir {r}")));
+        // Every mount lands inside the staging tree; only the propagation change touches "/".
+        for c in calls.iter().filter(|c| c.starts_with("mount") || c.starts_with("bind")) {
+            let target = c.split(' ').nth(if c.starts_with("mount") { 3 } else { 2 }).unwrap();
+            assert!(target == "root" || target.starts_with(&*s.to_string()), "mount outside the staging tree: {c}");
+        }
+        // Read-only remounts of the host's knobs keep nosuid/nodev/noexec.
+        let ro = position(&calls, &format!("mount   {r}/proc/sys"));
+        let want = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | NOSUID_NODEV_NOEXEC;
+        assert!(calls[ro].contains(&format!("{want:#x}")), "{}", calls[ro]);
+        let _ = fs::remove_dir_all(&st);
+    }
+
+    #[test]
+    fn the_writable_layer_and_the_new_root_get_their_files() {
+        let st = staging("files");
+        let root = st.join("root");
+        enter(plan(&st, true), &Recorder::default()).unwrap();
+
+        // /tmp and /dev/shm come from one tmpfs: sticky, world-writable subdirectories of it.
+        for d in [SHARED_TMP, SHARED_SHM] {
+            let mode = fs::metadata(st.join(d)).unwrap().permissions().mode() & 0o7777;
+            assert_eq!(mode, 0o1777, "{d}");
+        }
+        // The synthesized /proc files: no host boot arguments, a boot_id of the sandbox's own.
+        let cmdline = fs::read_to_string(st.join(PROC_VIEW).join("cmdline")).unwrap();
+        assert!(cmdline.starts_with("BOOT_IMAGE=/vmlinuz-") && cmdline.ends_with(" quiet\n"), "{cmdline:?}");
+        let boot_id = fs::read_to_string(st.join(PROC_VIEW).join("boot_id")).unwrap();
+        assert_eq!(boot_id.trim().len(), 36, "{boot_id:?}");
+        // Nested namespaces are refused by the kernel too.
+        assert_eq!(fs::read_to_string(root.join("proc/sys/user/max_user_namespaces")).unwrap(), "0");
+        // The device placeholders and the links every program expects.
+        for dev in DEVICES {
+            assert!(root.join("dev").join(dev).is_file(), "{dev}");
+        }
+        assert_eq!(fs::read_link(root.join("dev/ptmx")).unwrap(), Path::new("pts/ptmx"));
+        assert_eq!(fs::read_link(root.join("dev/fd")).unwrap(), Path::new("/proc/self/fd"));
+        // The hostname resolves, and the resolver points at the gateway: the image's symlink
+        // is replaced, not followed, and what it pointed at is untouched.
+        let hosts = fs::read_to_string(root.join("etc/hosts")).unwrap();
+        assert!(hosts.ends_with("127.0.1.1\tsb-test\n"), "{hosts:?}");
+        let resolv = root.join("etc/resolv.conf");
+        assert!(!fs::symlink_metadata(&resolv).unwrap().file_type().is_symlink());
+        assert_eq!(fs::read_to_string(&resolv).unwrap(), crate::tun::resolv_conf());
+        assert_eq!(fs::read_to_string(root.join("run/stub-resolv.conf")).unwrap(), "nameserver 127.0.0.53\n");
+        let _ = fs::remove_dir_all(&st);
+    }
+
+    #[test]
+    fn without_egress_the_image_resolver_stays() {
+        let st = staging("noegress");
+        enter(plan(&st, false), &Recorder::default()).unwrap();
+        assert!(fs::symlink_metadata(st.join("root/etc/resolv.conf")).unwrap().file_type().is_symlink());
+        let _ = fs::remove_dir_all(&st);
+    }
+
+    #[test]
+    fn a_failed_mount_stops_assembly_before_the_pivot() {
+        let st = staging("fail");
+        let ops = Recorder { fail_on: Some("mount devpts"), ..Default::default() };
+        let err = enter(plan(&st, true), &ops).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM));
+        let calls = ops.calls();
+        assert!(calls.last().unwrap().starts_with("mount devpts"), "{calls:#?}");
+        assert!(!calls.iter().any(|c| c == "pivot" || c.starts_with("sethostname")), "{calls:#?}");
+        // Nothing was written into the image's files before the failure.
+        assert_eq!(fs::read_to_string(st.join("root/etc/hosts")).unwrap(), "127.0.0.1\tlocalhost\n");
+        let _ = fs::remove_dir_all(&st);
+    }
 }

@@ -9,7 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-pub use cordon_host::sys::{check, flock_exclusive_nb, loopback_up, pidfd_open, send_fd_with};
+pub use cordon_host::sys::{check, loopback_up, pidfd_open, send_fd_with};
 
 // From <linux/mount.h>; libc does not export these yet.
 pub const OPEN_TREE_CLONE: libc::c_uint = 1;

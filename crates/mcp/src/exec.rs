@@ -152,7 +152,8 @@ pub async fn run(
         }
     };
     let duration = started.elapsed();
-    let oom = pool.oom_kills(&live.id) > oom_before;
+    // Unknown before or after (a gone guest) is no evidence of an OOM kill.
+    let oom = matches!((oom_before, pool.oom_kills(&live.id)), (Some(before), Some(after)) if after > before);
     let (reason, exit_code, status) = match (stopped, ended) {
         (Some(r), end) => (r, end.as_ref().filter(|e| e.exited).map(|e| e.exit_code), String::new()),
         (None, Some(end)) if end.exited => (Reason::Exit, Some(end.exit_code), end.status),

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cordon_sandbox::lifecycle::READY_TIMEOUT;
-use cordon_sandbox::{Backend, Sandbox, SandboxSpec};
+use cordon_sandbox::{served, Backend, Sandbox, SandboxSpec};
 
 use crate::config::Config;
 
@@ -75,28 +75,18 @@ impl Pool {
     /// Creates a sandbox with the operator's settings and returns once its agent answers.
     pub async fn create(&self) -> Result<Live, String> {
         let c = &self.config;
-        let limits = cordon_spec::Limits {
-            memory_bytes: c.memory_mb << 20,
-            cpus: c.cpus as f64,
-            disk_bytes: c.disk_mb << 20,
-            // Each call has its own timeout; the sandbox lives as long as the session.
-            timeout: cordon_sandbox::SERVER_BACKSTOP,
-            ..Default::default()
-        };
         let spec = SandboxSpec {
             id: cordon_sandbox::new_id(),
             tier: c.tier,
             image: c.image.clone(),
-            limits,
+            // Each call has its own timeout; the sandbox lives as long as the session.
+            limits: served::limits(c.memory_mb, c.cpus, c.disk_mb),
             network: c.network.clone(),
             ..Default::default()
         };
         let started = Instant::now();
-        let backend = self.backend.clone();
-        let spec2 = spec.clone();
-        let instance = tokio::task::spawn_blocking(move || backend.create(&spec2))
-            .await
-            .map_err(|e| format!("sandbox creation panicked: {e}"))?
+        let instance = served::create(self.backend.clone(), &spec)
+            .await?
             .map_err(|e| match e {
                 cordon_sandbox::Error::UnknownTemplate(m) | cordon_sandbox::Error::BadRequest(m) | cordon_sandbox::Error::Unavailable(m) => m,
                 e => format!("cannot create the sandbox: {e}"),
@@ -111,9 +101,9 @@ impl Pool {
         Ok(live)
     }
 
-    /// The OOM kill count of a sandbox (0 once it is gone).
-    pub fn oom_kills(&self, id: &str) -> u64 {
-        self.live().get(id).map_or(0, |i| i.oom_kills())
+    /// The OOM kill count of a sandbox (`None` once it is gone or when it cannot be read).
+    pub fn oom_kills(&self, id: &str) -> Option<u64> {
+        self.live().get(id).and_then(|i| i.oom_kills())
     }
 
     /// Whether the sandbox's init is still alive, as far as the backend can tell.

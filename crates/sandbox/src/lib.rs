@@ -7,7 +7,11 @@
 //! - [`Sandbox`] is a live sandbox: its agent's socket, its death, its stats, kill, the egress
 //!   policy, destroy.
 //! - [`Tiers`] dispatches on the spec's tier over a table the binary gives it (one row per
-//!   tier crate), opening each tier on first use.
+//!   tier crate, [`TierEntry`]), opening each tier on first use.
+//! - [`diagnosis`] is what a tier says of this host for `cordon doctor`: its own checks and
+//!   whether it can run here.
+//! - [`host_sandbox`] is the `Sandbox` of the tiers whose sandboxes are host processes in host
+//!   cgroups behind the egress forwarder (ns, gvisor): stats, network and teardown, once.
 //! - [`lifecycle`] holds what long-running front ends share: the agent's readiness timeout and
 //!   the watch on a sandbox's death.
 //! - [`image`] is the one "ensure the image" step: a built-in recipe not built yet is built on
@@ -18,15 +22,19 @@
 
 pub mod agent;
 mod backend;
+pub mod diagnosis;
 pub mod egress;
 mod error;
+pub mod host_sandbox;
 pub mod image;
 pub mod lifecycle;
 mod sandbox;
+pub mod served;
 mod tiers;
 
 pub use backend::{Backend, Capabilities, Host};
 pub use cordon_net::Blocked;
+pub use diagnosis::{Diagnosis, Finding};
 pub use error::Error;
 pub use sandbox::{Denial, Sandbox};
 pub use cordon_spec::SandboxSpec;

@@ -18,35 +18,36 @@ pub struct Denial {
 
 /// A live sandbox. Only `socket_path`, `death_fd`, `memory_current` and `destroy` are required;
 /// the rest have defaults for tiers that cannot tell (what a tier can tell is in its
-/// [`crate::Capabilities`]).
+/// [`crate::Capabilities`]). A figure the tier cannot read is `None`, never a 0 that would look
+/// like a measurement.
 pub trait Sandbox: Send {
     /// The agent's socket.
     fn socket_path(&self) -> &Path;
     /// A pidfd that becomes readable when the sandbox dies, if the tier has one.
     fn death_fd(&self) -> Option<OwnedFd>;
     /// Memory in use now, in bytes.
-    fn memory_current(&self) -> u64;
+    fn memory_current(&self) -> Option<u64>;
     /// Whether its init has exited, as far as the tier can tell (false when it cannot).
     fn is_dead(&self) -> bool {
         self.death_fd().is_some_and(|fd| crate::lifecycle::is_dead(&fd))
     }
     /// CPU time used so far, in microseconds.
-    fn cpu_usage_usec(&self) -> u64 {
-        0
+    fn cpu_usage_usec(&self) -> Option<u64> {
+        None
     }
     /// Bytes used and total of the writable layer.
-    fn disk_usage(&self) -> (u64, u64) {
-        (0, 0)
+    fn disk_usage(&self) -> Option<(u64, u64)> {
+        None
     }
     /// Kills every process of the sandbox now, without waiting; `destroy` still has to follow.
     fn kill(&self) {}
     /// How many times the memory cap killed a process.
-    fn oom_kills(&self) -> u64 {
-        0
+    fn oom_kills(&self) -> Option<u64> {
+        None
     }
-    /// Highest memory use seen, in bytes (0 when unknown).
-    fn peak_memory(&self) -> u64 {
-        0
+    /// Highest memory use seen, in bytes.
+    fn peak_memory(&self) -> Option<u64> {
+        None
     }
     /// How much Landlock the kernel enforced (`full`, `partial`, `none`), where the tier uses it.
     fn landlock(&self) -> Option<String> {

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use cordon_spec::Tier;
 
-use crate::{Backend, Capabilities, Error, Host, Sandbox, SandboxSpec};
+use crate::{Backend, Capabilities, Diagnosis, Error, Host, Sandbox, SandboxSpec};
 
 /// One tier as the binary knows it: the row a new tier adds.
 pub struct TierEntry {
@@ -15,6 +15,9 @@ pub struct TierEntry {
     /// Opens it: checks the host can run it (`Error::Unavailable` with the reason if not) and
     /// reaps what a crashed cordon left of it.
     pub open: fn(&Host) -> Result<Arc<dyn Backend>, Error>,
+    /// Checks what this tier needs of the host beyond what every tier needs (privileges,
+    /// cgroups), probing for real where that is cheap, and says whether it can run here.
+    pub diagnose: fn(&Host) -> Diagnosis,
 }
 
 impl TierEntry {

@@ -299,14 +299,16 @@ fn metrics(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
     let unix = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     // One sample: CPU use averaged over the sandbox's life so far, as a share of its cores.
     let alive_us = now.duration_since(e.started_at).map_or(0, |d| d.as_micros() as u64).max(1);
-    let cpu_pct = e.cpu_usage_usec() as f64 * 100.0 / (alive_us as f64 * f64::from(e.cpu_count.max(1)));
-    let (disk_used, disk_total) = e.disk_usage();
+    // E2B's metrics are numbers, so a figure this host cannot read is sent as 0 (the disk's
+    // total as the cap it was given).
+    let cpu_pct = e.cpu_usage_usec().unwrap_or(0) as f64 * 100.0 / (alive_us as f64 * f64::from(e.cpu_count.max(1)));
+    let (disk_used, disk_total) = e.disk_usage().unwrap_or((0, 0));
     let m = json!({
         "timestamp": iso(now),
         "timestampUnix": unix,
         "cpuCount": e.cpu_count,
         "cpuUsedPct": (cpu_pct * 100.0).round() / 100.0,
-        "memUsed": e.memory_current(),
+        "memUsed": e.memory_current().unwrap_or(0),
         "memTotal": e.memory_mb << 20,
         "memCache": 0,
         "diskUsed": disk_used,

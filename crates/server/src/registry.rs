@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime};
 use hyper::StatusCode;
 
 use cordon_sandbox::lifecycle::READY_TIMEOUT;
-use cordon_sandbox::{Backend, Sandbox, SandboxSpec};
+use cordon_sandbox::{served, Backend, Sandbox, SandboxSpec};
 
 use crate::auth;
 use crate::error::ApiError;
@@ -62,16 +62,16 @@ impl LiveSandbox {
         self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_deref().map_or(default, f)
     }
 
-    pub fn memory_current(&self) -> u64 {
-        self.with_instance(0, |i| i.memory_current())
+    pub fn memory_current(&self) -> Option<u64> {
+        self.with_instance(None, |i| i.memory_current())
     }
 
-    pub fn cpu_usage_usec(&self) -> u64 {
-        self.with_instance(0, |i| i.cpu_usage_usec())
+    pub fn cpu_usage_usec(&self) -> Option<u64> {
+        self.with_instance(None, |i| i.cpu_usage_usec())
     }
 
-    pub fn disk_usage(&self) -> (u64, u64) {
-        self.with_instance((0, 0), |i| i.disk_usage())
+    pub fn disk_usage(&self) -> Option<(u64, u64)> {
+        self.with_instance(None, |i| i.disk_usage())
     }
 
     /// The syscalls its filter denied so far.
@@ -180,18 +180,11 @@ impl Sandboxes {
     /// Creates a sandbox and returns once its agent answers.
     pub async fn create(self: &Arc<Self>, req: NewSandbox) -> Result<Arc<LiveSandbox>, ApiError> {
         let _slot = self.reserve()?;
-        let limits = cordon_spec::Limits {
-            memory_bytes: req.memory_mb << 20,
-            cpus: req.cpu_count as f64,
-            disk_bytes: req.disk_mb << 20,
-            timeout: cordon_sandbox::SERVER_BACKSTOP,
-            ..Default::default()
-        };
         let spec = SandboxSpec {
             id: cordon_sandbox::new_id(),
             tier: req.tier,
             image: req.template.clone(),
-            limits,
+            limits: served::limits(req.memory_mb, req.cpu_count, req.disk_mb),
             env: req.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             network: req.network,
             // The audit trail is served by `GET /sandboxes/{id}/audit`; it costs an idle thread.
@@ -199,11 +192,9 @@ impl Sandboxes {
             ..Default::default()
         };
         let started = Instant::now();
-        let backend = self.backend.clone();
-        let spec2 = spec.clone();
-        let instance = tokio::task::spawn_blocking(move || backend.create(&spec2))
+        let instance = served::create(self.backend.clone(), &spec)
             .await
-            .map_err(|e| ApiError::internal(format!("sandbox creation panicked: {e}")))?
+            .map_err(ApiError::internal)?
             .map_err(|e| {
                 tracing::info!(sandbox = %spec.id, template = %spec.image, "sandbox create refused: {e}");
                 use cordon_sandbox::Error;

@@ -36,8 +36,8 @@ impl Sandbox for InProcessInstance {
     fn death_fd(&self) -> Option<OwnedFd> {
         None
     }
-    fn memory_current(&self) -> u64 {
-        1 << 20
+    fn memory_current(&self) -> Option<u64> {
+        Some(1 << 20)
     }
     fn start_command(&self) -> Option<&cordon_image::StartCommand> {
         self.start.as_ref()

@@ -15,7 +15,7 @@ use crate::{VmError, VmTier};
 pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false };
 
 /// The tier table's row for vm.
-pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open };
+pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
 
 /// Opens the tier (a VMM found, cgroups usable), reaping what a crashed cordon left of it.
 pub fn open(host: &Host) -> Result<Arc<dyn Backend>, Error> {
@@ -53,11 +53,11 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.vm.pidfd().and_then(|fd| fd.try_clone_to_owned().ok())
     }
 
-    fn memory_current(&self) -> u64 {
+    fn memory_current(&self) -> Option<u64> {
         self.vm.memory_current()
     }
 
-    fn cpu_usage_usec(&self) -> u64 {
+    fn cpu_usage_usec(&self) -> Option<u64> {
         self.vm.cgroup().cpu_usage_usec()
     }
 
@@ -65,11 +65,11 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.vm.kill()
     }
 
-    fn oom_kills(&self) -> u64 {
+    fn oom_kills(&self) -> Option<u64> {
         self.vm.oom_kills()
     }
 
-    fn peak_memory(&self) -> u64 {
+    fn peak_memory(&self) -> Option<u64> {
         self.vm.peak_memory()
     }
 

@@ -18,6 +18,7 @@
 
 pub mod accel;
 pub mod backend;
+pub mod diagnose;
 pub mod disk;
 pub mod guest;
 mod initramfs;
@@ -35,9 +36,8 @@ pub use guest_kit::Kit;
 pub use vmm::{Accel, Qemu, Vmm};
 
 use cordon_image::Progress;
-use cordon_host::{Cgroup, Layout};
+use cordon_host::{ledger, Cgroup, Layout, Ledger};
 use cordon_spec::Limits;
-use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::fs;
 use std::io::{self, Read};
@@ -110,18 +110,11 @@ pub struct Prepared {
 /// The tier on this host: its VMM, state directories and cgroup layout.
 pub struct VmTier {
     vm_dir: PathBuf,
-    run_dir: PathBuf,
+    ledger: Ledger,
     slots: cordon_host::Slots,
     layout: Layout,
     exe: PathBuf,
     vmm: Box<dyn Vmm>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct Record {
-    id: String,
-    cgroup: Cgroup,
-    pid: Option<i32>,
 }
 
 impl VmTier {
@@ -136,10 +129,9 @@ impl VmTier {
             return Err(VmError::Unsupported(format!("cgroup controllers missing: {}", missing.join(", "))));
         }
         let vm_dir = state_dir.join("vm");
-        let run_dir = vm_dir.join("run");
-        fs::create_dir_all(&run_dir).map_err(io_err(format!("create {}", run_dir.display())))?;
+        let ledger = Ledger::open(vm_dir.join("run"), "VM").map_err(io_err("open the run directory"))?;
         let slots = cordon_host::Slots::open(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
-        let tier = VmTier { vm_dir, run_dir, slots, layout, exe, vmm };
+        let tier = VmTier { vm_dir, ledger, slots, layout, exe, vmm };
         tier.reap_orphans();
         Ok(tier)
     }
@@ -162,28 +154,7 @@ impl VmTier {
 
     /// Kills and removes every VM whose owning process is gone. Returns how many.
     pub fn reap_orphans(&self) -> usize {
-        let Ok(entries) = fs::read_dir(&self.run_dir) else { return 0 };
-        let mut reaped = 0;
-        for e in entries.flatten() {
-            let dir = e.path();
-            let Ok(lock) = fs::File::open(dir.join("lock")) else {
-                let _ = fs::remove_dir_all(&dir);
-                continue;
-            };
-            if !cordon_host::sys::flock_exclusive_nb(&lock).unwrap_or(false) {
-                continue; // its owner is alive
-            }
-            if let Ok(rec) = fs::read(dir.join("record.json"))
-                .map_err(drop)
-                .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(drop))
-            {
-                tracing::info!(id = %rec.id, "reaping VM left by a dead cordon process");
-                rec.cgroup.kill_and_wait(Duration::from_secs(5));
-                let _ = rec.cgroup.remove();
-            }
-            let _ = fs::remove_dir_all(&dir);
-            reaped += 1;
-        }
+        let reaped = self.ledger.reap();
         // Snapshots whose template died unfinished (`.<template id>`, see `snapshot_for`).
         if let Ok(entries) = fs::read_dir(self.vm_dir.join("snapshots")) {
             for e in entries.flatten() {
@@ -191,7 +162,7 @@ impl VmTier {
                 // Past any boot's deadline: a template being made right now is never touched.
                 let old = e.metadata().and_then(|m| m.modified()).is_ok_and(|t| t.elapsed().unwrap_or_default() > 2 * BOOT_DEADLINE);
                 if let Some(id) = name.strip_prefix('.') {
-                    if old && !self.run_dir.join(id).exists() {
+                    if old && !self.ledger.dir().join(id).exists() {
                         let _ = fs::remove_dir_all(e.path());
                     }
                 }
@@ -255,7 +226,7 @@ impl VmTier {
             let mut qmp = qmp::Qmp::connect(qmp_host, Duration::from_secs(30)).map_err(io_err("talk to the template's VMM"))?;
             qmp.migrate_to(&state, Duration::from_secs(120)).map_err(io_err("save the template's state"))?;
             // The guest is stopped now: its writable layer holds what its memory expects.
-            disk::copy_sparse(&vm.dir.join("rw.ext4"), &tmp.join("rw.ext4")).map_err(io_err("keep the template's writable layer"))?;
+            disk::copy_sparse(&vm.entry.dir().join("rw.ext4"), &tmp.join("rw.ext4")).map_err(io_err("keep the template's writable layer"))?;
             drop(vm);
             snapshot::publish(&tmp, &snap).map_err(io_err("store the snapshot"))
         })();
@@ -268,50 +239,13 @@ impl VmTier {
         Ok(snap)
     }
 
+    /// Starts one VM: its run directory, uid range and cgroups, its writable layer, the jailed
+    /// VMM (cold, restored or as a template), then waits until it is ready.
     fn boot(&self, cfg: &VmConfig, prep: &Prepared, start: Start) -> Result<Vm, VmError> {
-        let memory_mib = cfg.limits.memory_bytes >> 20;
-        let dir = self.run_dir.join(&cfg.id);
-        {
-            use std::os::unix::fs::DirBuilderExt;
-            // The socket, the writable layer and the console are the host's business only.
-            fs::DirBuilder::new().mode(0o700).create(&dir).map_err(io_err(format!("create {}", dir.display())))?;
-        }
-        let lock = match fs::File::create(dir.join("lock")) {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = fs::remove_dir_all(&dir);
-                return Err(io_err("create lock")(e));
-            }
-        };
-        let _ = cordon_host::sys::flock_exclusive_nb(&lock);
-        let mut vm = Vm {
-            id: cfg.id.clone(),
-            socket: dir.join("agent.sock"),
-            dir,
-            cgroup: Cgroup::plan(&self.layout, &cfg.id),
-            slot: None,
-            _lock: lock,
-            pid: 0,
-            pidfd: None,
-            thread: None,
-            console: Arc::new(Mutex::new(VecDeque::new())),
-            accel: prep.accel.accel,
-            torn_down: false,
-        };
+        let (mut vm, uid) = self.begin(cfg, prep)?;
         // From here on, dropping `vm` on any error undoes every step taken so far.
-        let slot = self.slots.acquire().ok_or_else(|| VmError::BadRequest("no free uid range for the VMM".into()))?;
-        let uid = cordon_host::UID_BASE + slot.index * cordon_host::UID_COUNT;
-        vm.slot = Some(slot);
-        vm.write_record()?;
-        let vmm_limits = Limits {
-            memory_bytes: (memory_mib + VMM_OVERHEAD_MIB) << 20,
-            pids: 256,
-            ..cfg.limits.clone()
-        };
-        vm.cgroup.create(&vmm_limits).map_err(io_err("create cgroups"))?;
-
         let t = Instant::now();
-        let rw = vm.dir.join("rw.ext4");
+        let rw = vm.entry.dir().join("rw.ext4");
         match &start {
             Start::Restore(snap) => {
                 disk::copy_sparse(&snap.rw(), &rw).map_err(io_err("copy the snapshot's writable layer"))?;
@@ -326,58 +260,14 @@ impl VmTier {
         let listener = std::os::unix::net::UnixListener::bind(&vm.socket).map_err(io_err("bind agent socket"))?;
         listener.set_nonblocking(true).map_err(io_err("agent socket"))?;
 
-        // The jail: the VMM sees its libraries, the boot files and this VM's disks only.
-        let jail_root = vm.dir.join("jail");
-        fs::create_dir(&jail_root).map_err(io_err("create jail dir"))?;
-        let mut plan = jailer::Plan::new(&jail_root, uid);
-        plan.system_dirs();
-        let bin = self.vmm.binary().to_path_buf();
-        if !bin.starts_with("/usr") {
-            plan.bind(&bin, &bin, false);
-        }
-        for dev in ["/dev/null", "/dev/urandom"] {
-            plan.bind(Path::new(dev), Path::new(dev), true);
-        }
-        if prep.accel.accel == Accel::Kvm {
-            plan.bind(Path::new("/dev/kvm"), Path::new("/dev/kvm"), true);
-            if let Ok(m) = fs::metadata("/dev/kvm") {
-                plan.group(std::os::unix::fs::MetadataExt::gid(&m));
-            }
-        }
-        plan.bind(&prep.kit.vmlinux, Path::new("/vm/vmlinux"), false);
-        plan.bind(&prep.kit.initramfs, Path::new("/vm/initramfs"), false);
-        plan.bind(&prep.root_disk, Path::new("/vm/root.ext4"), false);
-        plan.bind(&rw, Path::new("/vm/rw.ext4"), true);
+        let mut plan = self.jail_plan(&vm, prep, &rw, uid)?;
         let cgroup_files = plan.cgroups(&vm.cgroup.procs_files()).map_err(io_err("open cgroup.procs"))?;
         plan.pass_fd(vmm_end.as_raw_fd(), CHANNEL_FD);
-
         let mut spec = boot_spec(cfg, prep);
         // Descriptors the VMM gets for this start, kept open until it has them.
         let mut passed: Vec<OwnedFd> = Vec::new();
-        let handshake = match start {
-            Start::Cold => Handshake::Fresh(guest_config(cfg)?),
-            Start::Restore(snap) => {
-                tracing::debug!(id = %cfg.id, snapshot = %snap.dir.display(), "restoring the VM from a snapshot");
-                let state = fs::File::open(snap.state()).map_err(io_err("open the snapshot's state"))?;
-                plan.pass_fd(state.as_raw_fd(), STATE_FD);
-                spec.incoming_fd = Some(STATE_FD);
-                passed.push(state.into());
-                Handshake::Restored(guest_config(cfg)?)
-            }
-            Start::Template { monitor } => {
-                plan.pass_fd(monitor.as_raw_fd(), MONITOR_FD);
-                spec.monitor_fd = Some(MONITOR_FD);
-                passed.push(monitor.into());
-                Handshake::Template
-            }
-        };
-        let mut cmd = std::process::Command::new(&bin);
-        cmd.args(self.vmm.args(&spec)).env_clear().current_dir("/");
-        let (con_r, con_w) = pipe().map_err(io_err("pipe"))?;
-        cmd.stdin(std::process::Stdio::null())
-            .stdout(con_w.try_clone().map_err(io_err("pipe"))?)
-            .stderr(con_w);
-        plan.apply(&mut cmd);
+        let handshake = start_handshake(cfg, start, &mut plan, &mut spec, &mut passed)?;
+        let (cmd, con_r) = self.vmm_command(&spec, plan)?;
         tracing::debug!(id = %cfg.id, args = ?self.vmm.args(&spec), "starting VMM");
 
         // The VMM is started by the VM's own thread, which then serves the agent link: the
@@ -390,7 +280,8 @@ impl VmTier {
             .spawn(move || vm_thread(cmd, tx, host_end, handshake, ready_tx, listener, con_r, console))
             .map_err(io_err("start VM thread"))?;
         vm.thread = Some(thread);
-        let pid = rx.recv().map_err(|_| VmError::Boot("the VM thread ended early".into()))?.map_err(io_err(format!("start {}", bin.display())))?;
+        let started = rx.recv().map_err(|_| VmError::Boot("the VM thread ended early".into()))?;
+        let pid = started.map_err(io_err(format!("start {}", self.vmm.binary().display())))?;
         drop(vmm_end);
         drop(passed);
         drop(cgroup_files);
@@ -410,6 +301,97 @@ impl VmTier {
         tracing::debug!(id = %cfg.id, elapsed = ?t.elapsed(), "VM ready");
         Ok(vm)
     }
+
+    /// The VM's handle with its run directory (in the ledger), uid range and cgroups; the
+    /// returned uid is the first of its range, the VMM's.
+    fn begin(&self, cfg: &VmConfig, prep: &Prepared) -> Result<(Vm, u32), VmError> {
+        let memory_mib = cfg.limits.memory_bytes >> 20;
+        // The socket, the writable layer and the console are the host's business only (0700).
+        // The lock is held for the VM's life: a free lock means a dead owner (see `reap_orphans`).
+        let entry = self.ledger.begin(&cfg.id, 0o700).map_err(io_err("make the VM's run directory"))?;
+        let mut vm = Vm {
+            id: cfg.id.clone(),
+            socket: entry.dir().join("agent.sock"),
+            entry,
+            cgroup: Cgroup::plan(&self.layout, &cfg.id),
+            slot: None,
+            pid: 0,
+            pidfd: None,
+            thread: None,
+            console: Arc::new(Mutex::new(VecDeque::new())),
+            accel: prep.accel.accel,
+            torn_down: false,
+        };
+        let slot = self.slots.acquire().ok_or_else(|| VmError::BadRequest("no free uid range for the VMM".into()))?;
+        let uid = cordon_host::UID_BASE + slot.index * cordon_host::UID_COUNT;
+        vm.slot = Some(slot);
+        vm.write_record()?;
+        let vmm_limits = Limits {
+            memory_bytes: (memory_mib + VMM_OVERHEAD_MIB) << 20,
+            pids: 256,
+            ..cfg.limits.clone()
+        };
+        vm.cgroup.create(&vmm_limits).map_err(io_err("create cgroups"))?;
+        Ok((vm, uid))
+    }
+
+    /// The VMM's jail: it sees its libraries, the boot files and this VM's disks only.
+    fn jail_plan(&self, vm: &Vm, prep: &Prepared, rw: &Path, uid: u32) -> Result<jailer::Plan, VmError> {
+        let jail_root = vm.entry.dir().join("jail");
+        fs::create_dir(&jail_root).map_err(io_err("create jail dir"))?;
+        let mut plan = jailer::Plan::new(&jail_root, uid);
+        plan.system_dirs();
+        let bin = self.vmm.binary();
+        if !bin.starts_with("/usr") {
+            plan.bind(bin, bin, false);
+        }
+        for dev in ["/dev/null", "/dev/urandom"] {
+            plan.bind(Path::new(dev), Path::new(dev), true);
+        }
+        if prep.accel.accel == Accel::Kvm {
+            plan.bind(Path::new("/dev/kvm"), Path::new("/dev/kvm"), true);
+            if let Ok(m) = fs::metadata("/dev/kvm") {
+                plan.group(std::os::unix::fs::MetadataExt::gid(&m));
+            }
+        }
+        plan.bind(&prep.kit.vmlinux, Path::new("/vm/vmlinux"), false);
+        plan.bind(&prep.kit.initramfs, Path::new("/vm/initramfs"), false);
+        plan.bind(&prep.root_disk, Path::new("/vm/root.ext4"), false);
+        plan.bind(rw, Path::new("/vm/rw.ext4"), true);
+        Ok(plan)
+    }
+
+    /// The VMM's command line in its jail, its console on a pipe whose read end is returned.
+    fn vmm_command(&self, spec: &vmm::BootSpec, plan: jailer::Plan) -> Result<(std::process::Command, OwnedFd), VmError> {
+        let mut cmd = std::process::Command::new(self.vmm.binary());
+        cmd.args(self.vmm.args(spec)).env_clear().current_dir("/");
+        let (con_r, con_w) = pipe().map_err(io_err("pipe"))?;
+        cmd.stdin(std::process::Stdio::null()).stdout(con_w.try_clone().map_err(io_err("pipe"))?).stderr(con_w);
+        plan.apply(&mut cmd);
+        Ok((cmd, con_r))
+    }
+}
+
+/// What the guest and the host say first for this kind of start, with the descriptors the VMM
+/// needs for it (a snapshot's state, a template's monitor) added to `plan` and kept in `passed`.
+fn start_handshake(cfg: &VmConfig, start: Start, plan: &mut jailer::Plan, spec: &mut vmm::BootSpec, passed: &mut Vec<OwnedFd>) -> Result<Handshake, VmError> {
+    Ok(match start {
+        Start::Cold => Handshake::Fresh(guest_config(cfg)?),
+        Start::Restore(snap) => {
+            tracing::debug!(id = %cfg.id, snapshot = %snap.dir.display(), "restoring the VM from a snapshot");
+            let state = fs::File::open(snap.state()).map_err(io_err("open the snapshot's state"))?;
+            plan.pass_fd(state.as_raw_fd(), STATE_FD);
+            spec.incoming_fd = Some(STATE_FD);
+            passed.push(state.into());
+            Handshake::Restored(guest_config(cfg)?)
+        }
+        Start::Template { monitor } => {
+            plan.pass_fd(monitor.as_raw_fd(), MONITOR_FD);
+            spec.monitor_fd = Some(MONITOR_FD);
+            passed.push(monitor.into());
+            Handshake::Template
+        }
+    })
 }
 
 /// Descriptor numbers inside the VMM: the agent link, the snapshot's state, the monitor.
@@ -540,11 +522,11 @@ fn vm_thread(
 /// A live VM. Dropping it kills the VMM and removes every trace.
 pub struct Vm {
     id: String,
-    dir: PathBuf,
+    /// The run directory (socket, writable layer, jail root, record), locked while the VM lives.
+    entry: ledger::Entry,
     socket: PathBuf,
     cgroup: Cgroup,
     slot: Option<cordon_host::Slot>,
-    _lock: fs::File,
     pid: i32,
     pidfd: Option<OwnedFd>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -606,10 +588,11 @@ impl Vm {
     }
 
     /// How many processes the guest kernel's OOM killer has killed, as the guest reports it
-    /// (`oom_kill` in its /proc/vmstat, read through the agent). 0 when the guest is gone.
-    pub fn oom_kills(&self) -> u64 {
+    /// (`oom_kill` in its /proc/vmstat, read through the agent). `None` when the guest is gone
+    /// or does not answer.
+    pub fn oom_kills(&self) -> Option<u64> {
         if self.has_exited() {
-            return 0;
+            return None;
         }
         let socket = self.socket.clone();
         // Its own runtime on its own thread: callable from async code and from plain threads.
@@ -621,15 +604,15 @@ impl Vm {
                 Some(parse_vmstat_oom(&String::from_utf8_lossy(&b)))
             })
         });
-        read.join().ok().flatten().unwrap_or(0)
+        read.join().ok().flatten()
     }
 
     /// Highest memory use of the VMM process (guest RAM it touched, plus its own), in bytes.
-    pub fn peak_memory(&self) -> u64 {
+    pub fn peak_memory(&self) -> Option<u64> {
         self.cgroup.peak_memory()
     }
 
-    pub fn memory_current(&self) -> u64 {
+    pub fn memory_current(&self) -> Option<u64> {
         self.cgroup.memory_current()
     }
 
@@ -669,10 +652,8 @@ impl Vm {
     }
 
     fn write_record(&self) -> Result<(), VmError> {
-        let rec = Record { id: self.id.clone(), cgroup: self.cgroup.clone(), pid: (self.pid > 0).then_some(self.pid) };
-        let tmp = self.dir.join("record.json.tmp");
-        fs::write(&tmp, serde_json::to_vec(&rec).expect("record serialises")).map_err(io_err("write record"))?;
-        fs::rename(&tmp, self.dir.join("record.json")).map_err(io_err("write record"))
+        let (pid, slot) = ((self.pid > 0).then_some(self.pid), self.slot.as_ref().map(|s| s.index));
+        self.entry.record(&self.id, &self.cgroup, pid, slot).map_err(io_err("write record"))
     }
 
     /// Kills the VMM and removes its cgroups, disk layer, socket and record. Idempotent.
@@ -687,7 +668,7 @@ impl Vm {
         }
         let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
         let removed = self.cgroup.remove();
-        let _ = fs::remove_dir_all(&self.dir);
+        self.entry.remove();
         self.slot.take();
         if !emptied {
             return Err(VmError::Boot(format!("the VMM of {} did not die within 5 s", self.id)));

@@ -39,32 +39,26 @@ macro_rules! require_root {
     };
 }
 
-/// The tier a test body runs against; [`per_tier!`] makes one `#[test]` per tier of each body.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tier {
-    Ns,
-    Gvisor,
-    Vm,
+/// The tier a test body runs against (cordon's own); [`per_tier!`] makes one `#[test]` per tier
+/// of each body.
+pub use cordon_spec::Tier;
+
+/// What the tests need of a [`Tier`] beyond what cordon itself does with one.
+pub trait TierExt {
+    /// `--tier <name>` followed by `flags`.
+    fn flags<'a>(self, flags: &[&'a str]) -> Vec<&'a str>;
+    /// Why this host cannot run the tier, if it cannot (the test is then skipped with it).
+    fn unavailable(self) -> Option<String>;
 }
 
-impl Tier {
-    pub fn name(self) -> &'static str {
-        match self {
-            Tier::Ns => "ns",
-            Tier::Gvisor => "gvisor",
-            Tier::Vm => "vm",
-        }
-    }
-
-    /// `--tier <name>` followed by `flags`.
-    pub fn flags<'a>(self, flags: &[&'a str]) -> Vec<&'a str> {
-        let mut v = vec!["--tier", self.name()];
+impl TierExt for Tier {
+    fn flags<'a>(self, flags: &[&'a str]) -> Vec<&'a str> {
+        let mut v = vec!["--tier", self.as_str()];
         v.extend_from_slice(flags);
         v
     }
 
-    /// Why this host cannot run the tier, if it cannot (the test is then skipped with it).
-    pub fn unavailable(self) -> Option<String> {
+    fn unavailable(self) -> Option<String> {
         match self {
             Tier::Ns => None,
             Tier::Gvisor => {
@@ -95,7 +89,7 @@ macro_rules! tier_tests {
                         super::common::skip("this test runs real sandboxes and needs root (CI runs as root)");
                         return;
                     }
-                    if let Some(why) = super::common::Tier::$tier.unavailable() {
+                    if let Some(why) = super::common::TierExt::unavailable(super::common::Tier::$tier) {
                         super::common::skip(&why);
                         return;
                     }

@@ -85,7 +85,7 @@ fn exhaust_and_compare(t: Tier, fill: &str, second: &str, host: impl Fn() -> Val
     for user in [&[][..], &["--user", "root"][..]] {
         let (host_before, second_before) = (host(), probe_in_sandbox(t, second));
         let a = Held::start(t, user, fill);
-        eprintln!("{} {user:?}: the attacker holds {}", t.name(), a.report);
+        eprintln!("{} {user:?}: the attacker holds {}", t.as_str(), a.report);
         let (host_during, second_during) = (host(), probe_in_sandbox(t, second));
         held.push(a.held());
         a.release();
@@ -267,7 +267,7 @@ fn loopback_tcp_buffers_stay_within_the_sandboxs_memory_cap(t: Tier) {
     let a = Held::start(t, flags, &fill);
     let during = host_tcp_mem();
     let sent = a.report["sent"].as_u64().unwrap();
-    eprintln!("{}: {} connections, {} MiB written; host TCP memory {} -> {} MiB", t.name(), a.held(), sent >> 20, before >> 20, during >> 20);
+    eprintln!("{}: {} connections, {} MiB written; host TCP memory {} -> {} MiB", t.as_str(), a.held(), sent >> 20, before >> 20, during >> 20);
     let record = a.release();
     assert_eq!(record["reason"].as_str().unwrap_or(""), "exit", "{record}");
     let grew = during.saturating_sub(before);

@@ -504,7 +504,7 @@ fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) {
     child.wait().unwrap();
     eprintln!(
         "{what} ({}): {} units in {:.1}s, sandbox CPU {:.2}s, cordon CPU {:.2}s, cordon RSS {} MiB -> peak {} MiB",
-        tier.name(),
+        tier.as_str(),
         cost.calls,
         cost.wall,
         cost.sandbox_cpu,
@@ -516,7 +516,7 @@ fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) {
     assert!(
         cost.hwm <= cost.rss_base + NET_RSS_ALLOWANCE,
         "{what} ({}): cordon grew from {} MiB to a peak of {} MiB (allowance {} MiB): {cost:?}",
-        tier.name(),
+        tier.as_str(),
         cost.rss_base >> 20,
         cost.hwm >> 20,
         NET_RSS_ALLOWANCE >> 20

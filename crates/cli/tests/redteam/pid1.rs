@@ -345,7 +345,7 @@ fn api_refuses_bad_variables(t: Tier) {
     let key = format!("k{}", token());
     let srv = serve(&key);
     let create = |env: Value| {
-        let body = serde_json::json!({"templateID": "base", "tier": t.name(), "timeout": 30, "envVars": env}).to_string();
+        let body = serde_json::json!({"templateID": "base", "tier": t.as_str(), "timeout": 30, "envVars": env}).to_string();
         http(srv.1, "POST", "/sandboxes", &key, &body)
     };
     let kill_if_made = |body: &str| {

@@ -1,0 +1,102 @@
+//! [`HostBacked`]: the [`Sandbox`] of a tier whose sandbox is a tree of host processes in host
+//! cgroups, with the host's egress forwarder on its TUN device (the ns and gvisor tiers). The
+//! tier gives its handle as a [`HostSandbox`]; stats come from the cgroups, the network from
+//! the forwarder, the same way for both.
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+
+use cordon_host::Cgroup;
+use cordon_spec::NetworkPolicy;
+
+use crate::egress::Egress;
+use crate::{Blocked, Denial, Error, Sandbox};
+
+/// What such a tier's live handle gives.
+pub trait HostSandbox: Send {
+    type Error: std::error::Error + Send + Sync + 'static;
+    fn socket_path(&self) -> &Path;
+    /// A new pidfd of the process whose exit is the sandbox's death.
+    fn death_fd(&self) -> Option<OwnedFd>;
+    /// The cgroups holding every process of the sandbox.
+    fn cgroup(&self) -> &Cgroup;
+    /// Bytes used and total of the writable layer, when it can be read.
+    fn disk_usage(&self) -> Option<(u64, u64)>;
+    fn kill(&self);
+    fn destroy(&mut self) -> Result<(), Self::Error>;
+    /// How much Landlock the kernel enforced, where the tier uses it.
+    fn landlock(&self) -> Option<String> {
+        None
+    }
+    /// The syscalls the host's filter denied, where the tier records them.
+    fn denials(&self) -> Vec<Denial> {
+        Vec::new()
+    }
+}
+
+/// A tier's handle with its forwarder and its image's start command.
+pub struct HostBacked<S> {
+    pub sandbox: S,
+    pub egress: Egress,
+    pub start: Option<cordon_image::StartCommand>,
+}
+
+impl<S: HostSandbox> Sandbox for HostBacked<S> {
+    fn socket_path(&self) -> &Path {
+        self.sandbox.socket_path()
+    }
+
+    fn death_fd(&self) -> Option<OwnedFd> {
+        self.sandbox.death_fd()
+    }
+
+    fn memory_current(&self) -> Option<u64> {
+        self.sandbox.cgroup().memory_current()
+    }
+
+    fn cpu_usage_usec(&self) -> Option<u64> {
+        self.sandbox.cgroup().cpu_usage_usec()
+    }
+
+    fn disk_usage(&self) -> Option<(u64, u64)> {
+        self.sandbox.disk_usage()
+    }
+
+    fn kill(&self) {
+        self.sandbox.kill()
+    }
+
+    fn oom_kills(&self) -> Option<u64> {
+        self.sandbox.cgroup().oom_kills()
+    }
+
+    fn peak_memory(&self) -> Option<u64> {
+        self.sandbox.cgroup().peak_memory()
+    }
+
+    fn landlock(&self) -> Option<String> {
+        self.sandbox.landlock()
+    }
+
+    fn denials(&self) -> Vec<Denial> {
+        self.sandbox.denials()
+    }
+
+    fn blocked(&self) -> Vec<Blocked> {
+        self.egress.blocked()
+    }
+
+    fn set_network(&self, policy: NetworkPolicy) -> Result<(), Error> {
+        self.egress.set_network(policy)
+    }
+
+    fn start_command(&self) -> Option<&cordon_image::StartCommand> {
+        self.start.as_ref()
+    }
+
+    fn destroy(&mut self) -> Result<(), Error> {
+        // The forwarder goes first: nothing is dialled for a sandbox being torn down.
+        self.egress.stop();
+        self.sandbox.destroy().map_err(|e| Error::failed("teardown", e))
+    }
+}
