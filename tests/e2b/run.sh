@@ -47,7 +47,9 @@ stop() {
     fi
 }
 trap stop EXIT
-for _ in $(seq 100); do
+# A first start builds the default image before it listens (about a minute): wait while the
+# server lives, up to 15 minutes.
+for _ in $(seq 9000); do
     "$venv/bin/python" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null && break
     kill -0 "$server" 2>/dev/null || { cat "$log" >&2; exit 1; }
     sleep 0.1

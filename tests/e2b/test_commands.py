@@ -48,6 +48,22 @@ def test_background_list_and_kill(shared):
     assert shared.commands.kill(h.pid) is False
 
 
+def test_kill_returns_once_the_process_is_gone(shared):
+    # E2B's kill returns after the process has ended, so a `kill -0` of its pid right after
+    # fails: every time, not just usually.
+    for _ in range(20):
+        h = shared.commands.run("sleep 60", background=True)
+        assert shared.commands.kill(h.pid) is True
+        r = shared.commands.run(f"kill -0 {h.pid} 2>/dev/null && echo alive || echo gone")
+        assert r.stdout == "gone\n", f"pid {h.pid} still there right after kill"
+
+
+def test_python_is_python3(shared):
+    # E2B's base has `python`; its docs start servers with `python -m http.server`.
+    r = shared.commands.run("python -c 'import sys; print(sys.version_info[0] * 14)'")
+    assert r.stdout == "42\n"
+
+
 def test_stdin(shared):
     h = shared.commands.run("read line; echo got:$line", background=True, stdin=True)
     shared.commands.send_stdin(h.pid, "hello\n")

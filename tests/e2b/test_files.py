@@ -65,6 +65,34 @@ def test_gzip_and_metadata(shared, unique):
     assert shared.files.get_info(p).metadata.get("owner") == "tests"
 
 
+def test_a_write_replaces_the_metadata_of_the_one_before(shared, unique):
+    # A file written again carries only what the new write says: no metadata, none left.
+    p = f"/tmp/{unique}-meta"
+    first = shared.files.write(p, "one", metadata={"owner": "tests", "stage": "draft"})
+    assert first.metadata == {"owner": "tests", "stage": "draft"}
+    second = shared.files.write(p, "two", metadata={"stage": "final"})
+    assert second.metadata == {"stage": "final"}
+    third = shared.files.write(p, "three")
+    assert not third.metadata, third.metadata
+    assert not shared.files.get_info(p).metadata
+    assert shared.files.read(p) == "three"
+
+
+def test_expired_and_forged_signed_urls_get_envds_answer(shared, unique):
+    # The SDK's URLs name no sandbox: the signature does, expired or not. E2B's answers.
+    p = f"/tmp/{unique}-expiring"
+    shared.files.write(p, "x")
+    r = httpx.get(shared.download_url(p, use_signature_expiration=-30))
+    assert r.status_code == 401 and "signature is already expired" in r.text, r.text
+    up = shared.upload_url(p, use_signature_expiration=-30)
+    r = httpx.post(up, files={"file": ("x", b"late")})
+    assert r.status_code == 401 and "signature is already expired" in r.text, r.text
+    assert shared.files.read(p) == "x"
+    forged = shared.download_url(p).replace("signature=v1_", "signature=v1_A")
+    r = httpx.get(forged)
+    assert r.status_code == 401 and "invalid signature" in r.text and "API key" not in r.text, r.text
+
+
 def test_signed_urls(shared, unique):
     p = f"/tmp/{unique}-signed"
     up = shared.upload_url(p, use_signature_expiration=60)

@@ -1,5 +1,6 @@
 """Control plane: create, info, list, connect, timeouts, kill, errors."""
 
+import threading
 import time
 from datetime import datetime, timedelta
 
@@ -10,8 +11,10 @@ from e2b import (
     CommandExitException,
     Sandbox,
     SandboxException,
+    SandboxNotRunningException,
     SandboxQuery,
     SandboxState,
+    Template,
 )
 
 from conftest import API_KEY, API_URL, BASE_URL
@@ -91,6 +94,56 @@ def test_list_with_metadata_filter_and_pagination(unique):
             s.kill()
 
 
+def test_list_is_newest_first_unless_asked_otherwise(unique):
+    # E2B's default order is desc: `limit=1` gives the newest, and pages walk back in time.
+    made = []
+    try:
+        for i in range(3):
+            made.append(Sandbox.create(timeout=60, metadata={"order_test": unique, "n": str(i)}))
+        q = SandboxQuery(metadata={"order_test": unique})
+        newest_first = [s.sandbox_id for s in reversed(made)]
+        assert [s.sandbox_id for s in Sandbox.list(query=q).next_items()] == newest_first
+        pager = Sandbox.list(query=q, limit=1)
+        walked = []
+        while pager.has_next:
+            walked += [s.sandbox_id for s in pager.next_items()]
+        assert walked == newest_first
+        assert [s.sandbox_id for s in Sandbox.list(query=q, order="desc").next_items()] == newest_first
+        pager = Sandbox.list(query=q, limit=2, order="asc")
+        walked = []
+        while pager.has_next:
+            walked += [s.sandbox_id for s in pager.next_items()]
+        assert walked == newest_first[::-1]
+        bad = httpx.get(f"{API_URL}/v2/sandboxes", params={"order": "sideways"}, headers={"X-API-KEY": API_KEY})
+        assert bad.status_code == 400 and "asc or desc" in bad.text, bad.text
+    finally:
+        for s in made:
+            s.kill()
+
+
+def test_template_exists_for_the_templates_a_create_accepts(unique):
+    # What the SDK's Template.exists asks (GET /templates/aliases/{name}): true for the built-in
+    # templates, built or not yet, false for a name no create would accept.
+    assert Template.exists("base") is True
+    assert Template.exists("code-interpreter-v1") is True
+    assert Template.exists(f"no-such-template-{unique}") is False
+
+
+def test_a_sandbox_killed_during_a_streaming_command_is_reported_as_gone():
+    # The stream ends as envd ends one whose process side went away; the SDK then finds the
+    # sandbox gone and says so, rather than blaming a protocol error on a timeout.
+    sbx = Sandbox.create(timeout=60)
+    killer = threading.Timer(2.0, lambda: Sandbox.kill(sbx.sandbox_id))
+    killer.start()
+    try:
+        with pytest.raises(SandboxNotRunningException) as ei:
+            sbx.commands.run("echo started; sleep 30", timeout=60)
+        assert "killed or reached its end of life" in str(ei.value), str(ei.value)
+    finally:
+        killer.cancel()
+        Sandbox.kill(sbx.sandbox_id)
+
+
 def test_connect_by_id(unique):
     sbx = Sandbox.create(timeout=60)
     try:
@@ -127,13 +180,36 @@ def test_kill_then_calls_fail_cleanly(sandbox):
 
 
 def test_metrics(sandbox):
-    # Burn some CPU and write 8 MiB to the writable layer, then both must show.
+    # Burn some CPU and write 8 MiB to the writable layer, then both must show in the latest
+    # sample (the list is oldest first).
     sandbox.commands.run("head -c 8M /dev/zero > /home/user/blob; python3 -c 'sum(range(10**7))'")
     m = sandbox.get_metrics()
     assert len(m) >= 1
-    assert m[0].mem_total > 0 and m[0].mem_used > 0
-    assert m[0].cpu_used_pct > 0
-    assert m[0].disk_used >= 8 << 20 and m[0].disk_total >= m[0].disk_used
+    assert [s.timestamp for s in m] == sorted(s.timestamp for s in m)
+    last = m[-1]
+    assert last.mem_total > 0 and last.mem_used > 0
+    assert last.cpu_used_pct > 0
+    assert last.disk_used >= 8 << 20 and last.disk_total >= last.disk_used
+
+
+def test_metrics_time_range():
+    # One sample every 5 s is kept: a range inside the sandbox's life has samples, each inside
+    # it; a range that ends before the sandbox existed has none.
+    before = datetime.now() - timedelta(seconds=2)
+    sbx = Sandbox.create(timeout=60)
+    try:
+        time.sleep(6)
+        now = datetime.now() + timedelta(seconds=1)
+        m = sbx.get_metrics(start=before, end=now)
+        assert len(m) >= 2, m
+        for s in m:
+            assert before.timestamp() - 1 <= s.timestamp.timestamp() <= now.timestamp() + 1, (s.timestamp, before, now)
+        earlier = sbx.get_metrics(start=before - timedelta(hours=2), end=before - timedelta(hours=1))
+        assert earlier == []
+        bad = httpx.get(f"{API_URL}/sandboxes/{sbx.sandbox_id}/metrics", params={"start": "yesterday"}, headers={"X-API-KEY": API_KEY})
+        assert bad.status_code == 400, bad.text
+    finally:
+        sbx.kill()
 
 
 def test_wrong_api_key():

@@ -329,11 +329,9 @@ impl Upload {
     fn finish(self, metadata: &[(String, String)]) -> FilesResult<WriteInfo> {
         let path = &self.path;
         as_user_or_500(&self.user, || {
-            for (k, v) in metadata {
-                xattr::write(path, k, v).map_err(|e| {
-                    error(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot store metadata on '{}': {e}", path.display()))
-                })?;
-            }
+            xattr::replace(path, metadata).map_err(|e| {
+                error(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot store metadata on '{}': {e}", path.display()))
+            })?;
             Ok(WriteInfo {
                 name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
                 entry_type: Some("file".to_string()),

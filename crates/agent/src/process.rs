@@ -102,6 +102,8 @@ pub(crate) struct Proc {
     pidfd: Option<OwnedFd>,
     state: Mutex<State>,
     deadline_hit: AtomicBool,
+    /// Woken when the end is published.
+    ended: tokio::sync::Notify,
 }
 
 /// A subscriber's view of a process: its output chunks, then (when the channel closes) its end.
@@ -173,6 +175,21 @@ impl Proc {
         let mut st = self.state();
         st.end = Some(end);
         st.subscribers.clear();
+        drop(st);
+        self.ended.notify_waiters();
+    }
+
+    /// Waits until the process has ended (reaped, its end published), at most `limit`; true if
+    /// it has.
+    pub async fn wait_end(&self, limit: Duration) -> bool {
+        let notified = self.ended.notified();
+        tokio::pin!(notified);
+        // Registered before the check, so an end published in between still wakes us.
+        notified.as_mut().enable();
+        if !self.is_running() {
+            return true;
+        }
+        tokio::time::timeout(limit, notified).await.is_ok()
     }
 
     /// Sends a signal to the process (not its group: envd semantics). A process that is already
@@ -511,6 +528,7 @@ impl Processes {
             pidfd,
             state: Mutex::new(State::default()),
             deadline_hit: AtomicBool::new(false),
+            ended: tokio::sync::Notify::new(),
         });
         let sub = self.register(&proc, sources, exit);
         Ok((proc, sub))

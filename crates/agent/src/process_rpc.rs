@@ -45,7 +45,7 @@ pub(crate) async fn dispatch(agent: Arc<Agent>, method: &str, req: Request<Incom
             })
             .await
         }
-        "SendSignal" => rpc::unary(req, |m, _| async { send_signal(&agent, m) }).await,
+        "SendSignal" => rpc::unary(req, |m, _| send_signal(&agent, m)).await,
         "CloseStdin" => rpc::unary(req, |m, _| close_stdin(&agent, m)).await,
         "Update" => rpc::unary(req, |m, _| async { update(&agent, m) }).await,
         _ => rpc::unary_error(&ConnectError::new(Code::Unimplemented, format!("unknown method {method}"))),
@@ -218,7 +218,13 @@ async fn stream_input(
     }
 }
 
-fn send_signal(agent: &Agent, req: SendSignalRequest) -> Result<SendSignalResponse, ConnectError> {
+/// How long `SendSignal` with SIGKILL waits for the process to be gone. A killed process ends
+/// at once unless it is stuck in the kernel; the answer then comes anyway, and the end follows.
+const KILL_WAIT: Duration = Duration::from_secs(2);
+
+/// Sends a signal. SIGKILL returns once the process has ended (as E2B's does), so that a
+/// `kill -0` of its pid right after fails.
+async fn send_signal(agent: &Agent, req: SendSignalRequest) -> Result<SendSignalResponse, ConnectError> {
     let proc = agent.processes.find_running(&selector(req.process)?)?;
     let sig = match req.signal {
         Signal::Sigkill => libc::SIGKILL,
@@ -230,6 +236,10 @@ fn send_signal(agent: &Agent, req: SendSignalRequest) -> Result<SendSignalRespon
         }
     };
     proc.signal(sig).map_err(|e| ConnectError::internal(format!("error sending signal: {e}")))?;
+    if sig == libc::SIGKILL {
+        // Not ended by then (stuck in the kernel): answer anyway; the end event follows.
+        let _ = proc.wait_end(KILL_WAIT).await;
+    }
     Ok(SendSignalResponse {})
 }
 

@@ -69,3 +69,26 @@ pub(crate) fn write(path: &Path, key: &str, value: &str) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Makes `metadata` the whole of `path`'s metadata: entries of an earlier write that this one
+/// does not name are removed (a file written again without metadata has none, as in E2B).
+pub(crate) fn replace(path: &Path, metadata: &[(String, String)]) -> io::Result<()> {
+    let cpath = c_path(path)?;
+    // A filesystem without xattrs has nothing to remove; writing will say if it matters.
+    let names = list_names(&cpath).unwrap_or_default();
+    for name in names.split(|b| *b == 0).filter(|n| !n.is_empty()) {
+        let Some(key) = name.strip_prefix(METADATA_XATTR_PREFIX.as_bytes()) else { continue };
+        if metadata.iter().any(|(k, _)| k.as_bytes() == key) {
+            continue;
+        }
+        let cname = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // SAFETY: both strings are NUL-terminated and live across the call.
+        if unsafe { libc::lremovexattr(cpath.as_ptr(), cname.as_ptr()) } < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENODATA) {
+                return Err(e);
+            }
+        }
+    }
+    metadata.iter().try_for_each(|(k, v)| write(path, k, v))
+}

@@ -64,7 +64,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     }
     let backend = tiers;
     let sandboxes = cordon_server::Sandboxes::new(backend, a.max_sandboxes, a.envd_version);
-    let app = Arc::new(cordon_server::App { api_key, sandboxes });
+    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: state.images()? });
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

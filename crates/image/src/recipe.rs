@@ -129,6 +129,8 @@ const BASE_PACKAGES: &[&str] = &[
     "bash",
     "coreutils",
     "python3",
+    // `python` as well: E2B's base has it, and its docs start servers with `python -m ...`.
+    "python-is-python3",
     "python3-pip",
     "python3-venv",
     "curl",
@@ -143,6 +145,7 @@ const BASE_PACKAGES: &[&str] = &[
 
 const BASE_MUST_EXIST: &[&str] = &[
     "usr/bin/python3",
+    "usr/bin/python",
     "usr/bin/sudo",
     "home/user",
     "etc/sudoers.d/user",

@@ -26,6 +26,19 @@ pub fn lookup(store: &Store, name: &str) -> Result<Lookup, ImageError> {
     }
 }
 
+/// Whether a sandbox can be created from template `name`: built in the store, or a built-in
+/// recipe built on first use. What `Template.exists` asks.
+pub fn exists(store: &Store, name: &str) -> Result<bool, ImageError> {
+    if cordon_image::validate_name(name).is_err() {
+        return Ok(false);
+    }
+    match lookup(store, name) {
+        Ok(_) => Ok(true),
+        Err(ImageError::NotFound { .. }) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// [`lookup`]'s error as the API words it: a template that is not there lists the known ones.
 fn template_error(store: &Store, template: &str, e: ImageError) -> Error {
     match e {

@@ -72,12 +72,13 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
             let id = id.to_string();
             connect(app, &id, req).await
         }
-        (&Method::GET, false, ["sandboxes", id, "metrics"]) => metrics(app, id),
+        (&Method::GET, false, ["sandboxes", id, "metrics"]) => metrics(app, id, req.uri().query()),
         (&Method::GET, false, ["sandboxes", id, "audit"]) => audit(app, id),
         (&Method::PUT, false, ["sandboxes", id, "network"]) => {
             let id = id.to_string();
             update_network(app, &id, req).await
         }
+        (&Method::GET, false, ["templates", "aliases", alias]) => template_alias(app, alias),
         (_, false, ["sandboxes", _, op @ ("pause" | "resume" | "snapshots" | "fork" | "refreshes")]) => Err(
             ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("'{op}' is not supported by cordon: sandboxes run until killed or timed out")).no_retry(),
         ),
@@ -204,7 +205,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
     Ok(json_response(StatusCode::CREATED, &sandbox_json(&entry)))
 }
 
-fn iso(t: SystemTime) -> String {
+pub(crate) fn iso(t: SystemTime) -> String {
     Timestamp::from_system_time(t).to_rfc3339()
 }
 
@@ -293,28 +294,23 @@ async fn connect(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Res
     Ok(json_response(StatusCode::OK, &sandbox_json(&e)))
 }
 
-fn metrics(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
+/// E2B's metrics: the samples inside `start..=end` (unix seconds, both optional), oldest first;
+/// see [`crate::metrics`] for the resolution and what is kept.
+fn metrics(app: &Arc<App>, id: &str, q: Option<&str>) -> Result<Response<Body>, ApiError> {
+    let bound = |key: &str| -> Result<Option<i64>, ApiError> {
+        query::get(q, key)
+            .filter(|v| !v.is_empty())
+            .map(|v| v.parse::<i64>().map_err(|_| ApiError::bad_request(format!("{key} {v:?} is not a time in unix seconds"))))
+            .transpose()
+    };
+    let (start, end) = (bound("start")?, bound("end")?);
+    if let (Some(s), Some(e)) = (start, end) {
+        if s > e {
+            return Err(ApiError::bad_request(format!("start {s} is after end {e}")));
+        }
+    }
     let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
-    let now = SystemTime::now();
-    let unix = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    // One sample: CPU use averaged over the sandbox's life so far, as a share of its cores.
-    let alive_us = now.duration_since(e.started_at).map_or(0, |d| d.as_micros() as u64).max(1);
-    // E2B's metrics are numbers, so a figure this host cannot read is sent as 0 (the disk's
-    // total as the cap it was given).
-    let cpu_pct = e.cpu_usage_usec().unwrap_or(0) as f64 * 100.0 / (alive_us as f64 * f64::from(e.cpu_count.max(1)));
-    let (disk_used, disk_total) = e.disk_usage().unwrap_or((0, 0));
-    let m = json!({
-        "timestamp": iso(now),
-        "timestampUnix": unix,
-        "cpuCount": e.cpu_count,
-        "cpuUsedPct": (cpu_pct * 100.0).round() / 100.0,
-        "memUsed": e.memory_current().unwrap_or(0),
-        "memTotal": e.memory_mb << 20,
-        "memCache": 0,
-        "diskUsed": disk_used,
-        "diskTotal": if disk_total > 0 { disk_total } else { e.disk_mb << 20 },
-    });
-    Ok(json_response(StatusCode::OK, &json!([m])))
+    Ok(json_response(StatusCode::OK, &Value::Array(crate::metrics::samples(&e, start, end))))
 }
 
 /// cordon's extension: what the sandbox's filters refused so far (syscalls and network attempts).
@@ -337,7 +333,20 @@ async fn update_network(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Res
     Ok(empty(StatusCode::NO_CONTENT))
 }
 
-/// Page order: oldest first, ties broken by id, so that a token names a stable position.
+/// `Template.exists(name)`: 200 with the template's id for every image in the store and every
+/// built-in recipe (built on first use), 404 for anything else. The name arrives
+/// percent-encoded; the template's id is its name, as in the create answer.
+fn template_alias(app: &Arc<App>, alias: &str) -> Result<Response<Body>, ApiError> {
+    let name = query::percent_decode(alias, false);
+    match cordon_sandbox::image::exists(&app.images, &name) {
+        Ok(true) => Ok(json_response(StatusCode::OK, &json!({"templateID": name, "public": false}))),
+        Ok(false) => Err(ApiError::not_found(format!("template '{name}' not found"))),
+        Err(e) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("template '{name}': {e}"))),
+    }
+}
+
+/// Page position: start time, ties broken by id, so that a token names a stable position.
+/// Pages run newest first unless the caller asks for `order=asc` (E2B's default is desc).
 fn sort_key(e: &LiveSandbox) -> (u128, String) {
     (e.started_at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()), e.id.clone())
 }
@@ -373,6 +382,11 @@ fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
             Some(parsed.ok_or_else(|| ApiError::bad_request(format!("nextToken {t:?} is not one this server issued")))?)
         }
     };
+    let ascending = match query::get(q, "order").as_deref() {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(o) => return Err(ApiError::bad_request(format!("order {o:?} is unknown: use asc or desc"))),
+    };
     let template = query::get(q, "template");
     let started_after = match query::get(q, "startedAfter") {
         None => None,
@@ -391,13 +405,15 @@ fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
         items.retain(|e| e.started_at >= t);
     }
     items.sort_by_key(|e| sort_key(e));
-    if query::get(q, "order").as_deref() == Some("desc") {
+    if ascending {
+        if let Some(a) = &after {
+            items.retain(|e| sort_key(e) > *a);
+        }
+    } else {
         items.reverse();
         if let Some(a) = &after {
             items.retain(|e| sort_key(e) < *a);
         }
-    } else if let Some(a) = &after {
-        items.retain(|e| sort_key(e) > *a);
     }
     let more = items.len() > limit;
     items.truncate(limit);

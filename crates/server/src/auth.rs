@@ -85,7 +85,28 @@ pub fn file_signature(path: &str, op: FileOp, user: &str, token: &str, expiratio
     format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
 }
 
-/// Checks a signed `/files` URL. `now` is in unix seconds.
+/// envd's answers to a bad signed URL (the SDK shows them as they are).
+pub const INVALID_SIGNATURE: &str = "invalid signature";
+pub const EXPIRED_SIGNATURE: &str = "signature is already expired";
+
+/// Whether `signature` was made with `token` for this path, operation, user and expiration,
+/// whatever the time now: it names the sandbox a signed URL belongs to, expired or not.
+pub fn file_signature_matches(signature: &str, expiration: Option<&str>, path: &str, op: FileOp, user: &str, token: &str) -> bool {
+    match parse_expiration(expiration) {
+        Ok(exp) => ct_eq(signature, &file_signature(path, op, user, token, exp)),
+        Err(_) => false,
+    }
+}
+
+fn parse_expiration(expiration: Option<&str>) -> Result<Option<i64>, &'static str> {
+    match expiration.filter(|e| !e.is_empty()) {
+        None => Ok(None),
+        Some(e) => e.parse::<i64>().map(Some).map_err(|_| "signature_expiration is not a unix timestamp"),
+    }
+}
+
+/// Checks a signed `/files` URL. `now` is in unix seconds. The signature is checked first, so
+/// only a URL really signed with this token learns that it has expired.
 pub fn check_file_signature(
     signature: &str,
     expiration: Option<&str>,
@@ -95,18 +116,14 @@ pub fn check_file_signature(
     token: &str,
     now: i64,
 ) -> Result<(), &'static str> {
-    let expiration = match expiration.filter(|e| !e.is_empty()) {
-        None => None,
-        Some(e) => Some(e.parse::<i64>().map_err(|_| "signature_expiration is not a unix timestamp")?),
-    };
-    if expiration.is_some_and(|e| e < now) {
-        return Err("the signature has expired");
+    let exp = parse_expiration(expiration)?;
+    if !ct_eq(signature, &file_signature(path, op, user, token, exp)) {
+        return Err(INVALID_SIGNATURE);
     }
-    if ct_eq(signature, &file_signature(path, op, user, token, expiration)) {
-        Ok(())
-    } else {
-        Err("invalid signature")
+    if exp.is_some_and(|e| e < now) {
+        return Err(EXPIRED_SIGNATURE);
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -130,7 +147,11 @@ mod tests {
     fn expiration_is_signed_and_enforced() {
         let s = file_signature("p", FileOp::Write, "user", "t", Some(1000));
         assert!(check_file_signature(&s, Some("1000"), "p", FileOp::Write, "user", "t", 999).is_ok());
-        assert!(check_file_signature(&s, Some("1000"), "p", FileOp::Write, "user", "t", 1001).is_err());
+        assert_eq!(check_file_signature(&s, Some("1000"), "p", FileOp::Write, "user", "t", 1001), Err(EXPIRED_SIGNATURE));
+        // Expired or not, the signature names its token; a wrong one says only "invalid".
+        assert!(file_signature_matches(&s, Some("1000"), "p", FileOp::Write, "user", "t"));
+        assert!(!file_signature_matches(&s, Some("1000"), "p", FileOp::Write, "user", "other"));
+        assert_eq!(check_file_signature(&s, Some("1000"), "p", FileOp::Write, "user", "other", 1001), Err(INVALID_SIGNATURE));
         assert!(check_file_signature(&s, Some("1001"), "p", FileOp::Write, "user", "t", 0).is_err());
         assert!(check_file_signature(&s, None, "p", FileOp::Write, "user", "t", 0).is_err());
         assert!(check_file_signature(&s, Some("x"), "p", FileOp::Write, "user", "t", 0).is_err());

@@ -16,6 +16,7 @@ pub mod api;
 pub mod auth;
 pub mod error;
 pub mod lifecycle;
+pub mod metrics;
 pub mod port_token;
 pub mod proxy;
 pub mod query;
@@ -61,6 +62,8 @@ pub const ENVD_PORT: u16 = 49983;
 pub struct App {
     pub api_key: String,
     pub sandboxes: Arc<Sandboxes>,
+    /// The image store: the templates sandboxes are made from.
+    pub images: cordon_image::Store,
 }
 
 impl App {

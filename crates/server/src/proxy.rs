@@ -54,7 +54,17 @@ pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incomi
     };
     match forward(&entry.socket, port, req).await {
         // The permit is held until the response body is done or dropped.
-        Ok(r) => r.map(|body| Permitted { body, _permit: permit }.boxed()),
+        Ok(r) => {
+            // A Connect stream cut by the sandbox's end is finished the way envd finishes one
+            // whose process side went away, so that clients see an error they can classify.
+            let is_stream = r
+                .headers()
+                .get(hyper::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|ct| ct.starts_with("application/connect+"));
+            let cut = (port == ENVD_PORT && is_stream).then(|| id.to_string());
+            r.map(|body| Permitted { body, _permit: permit, cut, ended: false }.boxed())
+        }
         Err(e) => {
             // The sandbox may have died while the request was on its way.
             if app.sandboxes.get(id).is_none() {
@@ -149,6 +159,11 @@ pub fn authorize<B>(entry: &LiveSandbox, req: &Request<B>) -> Result<Grant, ApiE
 struct Permitted {
     body: Body,
     _permit: tokio::sync::OwnedSemaphorePermit,
+    /// For an envd Connect stream, the sandbox's id: if the agent's side breaks off (the
+    /// sandbox was killed or died), the stream ends with an `unavailable` end-of-stream message
+    /// and a proper end of the body instead of a cut connection.
+    cut: Option<String>,
+    ended: bool,
 }
 
 impl hyper::body::Body for Permitted {
@@ -159,11 +174,27 @@ impl hyper::body::Body for Permitted {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+        use std::task::Poll;
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        match std::pin::Pin::new(&mut self.body).poll_frame(cx) {
+            Poll::Ready(Some(Err(e))) if self.cut.is_some() => {
+                self.ended = true;
+                let id = self.cut.take().unwrap_or_default();
+                tracing::debug!(sandbox = %id, "agent stream broke off: {e}");
+                let err = cordon_envd::connect::ConnectError::new(
+                    cordon_envd::connect::Code::Unavailable,
+                    format!("the connection to sandbox {id} ended before the stream completed"),
+                );
+                Poll::Ready(Some(Ok(hyper::body::Frame::data(cordon_envd::connect::encode_end_stream(Some(&err))))))
+            }
+            other => other,
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.ended || self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
@@ -171,14 +202,21 @@ impl hyper::body::Body for Permitted {
     }
 }
 
-/// The sandbox whose token produced the signature of a signed `/files` URL, if any. A query
-/// that repeats a parameter is refused here already, before any sandbox is tried.
+/// The sandbox whose token produced the signature of a signed `/files` URL, expired or not
+/// (its agent route then answers envd's "signature is already expired"); `None` for a request
+/// that is not a signed URL. A signature no live sandbox made gets envd's 401, not the control
+/// plane's. A query that repeats a parameter is refused here already.
 pub fn signed_by<B>(sandboxes: &crate::Sandboxes, req: &Request<B>) -> Result<Option<Arc<LiveSandbox>>, ApiError> {
     let q = FilesQuery::parse(req.uri().query()).map_err(|e| ApiError::bad_request(e.to_string()))?;
-    if req.headers().contains_key("x-access-token") || q.signature.is_none() {
-        return Ok(None);
-    }
-    Ok(sandboxes.all().into_iter().find(|e| authorize(e, req).is_ok()))
+    let Some(sig) = q.signature.as_deref().filter(|_| !req.headers().contains_key("x-access-token")) else { return Ok(None) };
+    let op = match *req.method() {
+        Method::GET | Method::HEAD => FileOp::Read,
+        _ => FileOp::Write,
+    };
+    let (file, user) = (q.path.as_deref().unwrap_or_default(), q.username.as_deref().unwrap_or_default());
+    let exp = q.signature_expiration.as_deref();
+    let signer = sandboxes.all().into_iter().find(|e| auth::file_signature_matches(sig, exp, file, op, user, &e.token));
+    signer.map(Some).ok_or_else(|| ApiError::unauthorized(auth::INVALID_SIGNATURE))
 }
 
 /// The request as it goes to the agent: origin-form URI, no hop-by-hop headers.

@@ -44,6 +44,8 @@ pub struct LiveSandbox {
     pub socket: PathBuf,
     /// Permits for requests in flight, see [`MAX_STREAMS_PER_SANDBOX`].
     pub streams: Arc<tokio::sync::Semaphore>,
+    /// Its readings so far (see [`crate::metrics`]).
+    pub metrics: crate::metrics::History,
     end_at: Mutex<SystemTime>,
     instance: Mutex<Option<Box<dyn Sandbox>>>,
 }
@@ -55,6 +57,11 @@ impl LiveSandbox {
 
     fn set_end_at(&self, t: SystemTime) {
         *self.end_at.lock().unwrap_or_else(|p| p.into_inner()) = t;
+    }
+
+    /// Whether it still has its instance (not destroyed yet).
+    pub fn is_live(&self) -> bool {
+        self.with_instance(false, |_| true)
     }
 
     /// `f` of the live instance, or `default` once it has been destroyed.
@@ -230,6 +237,7 @@ impl Sandboxes {
             envd_version: self.envd_version.clone(),
             socket: socket.clone(),
             streams: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS_PER_SANDBOX)),
+            metrics: Default::default(),
             end_at: Mutex::new(SystemTime::now() + req.timeout),
             instance: Mutex::new(Some(instance)),
         });
@@ -245,6 +253,7 @@ impl Sandboxes {
             }
         }
         self.write().insert(entry.id.clone(), entry.clone());
+        spawn_metrics(&entry);
         if let Some(fd) = death {
             // A sandbox that dies by itself (OOM of its init, a kill from outside) leaves the
             // registry at once.
@@ -314,6 +323,20 @@ impl Sandboxes {
             tracing::info!(count = n, "all sandboxes destroyed");
         }
     }
+}
+
+/// Reads `entry` every [`crate::metrics::INTERVAL`] from now until it is destroyed.
+fn spawn_metrics(entry: &Arc<LiveSandbox>) {
+    let weak = Arc::downgrade(entry);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(crate::metrics::INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(e) = weak.upgrade().filter(|e| e.is_live()) else { return };
+            e.metrics.record(crate::metrics::read(&e));
+        }
+    });
 }
 
 async fn destroy(entry: &Arc<LiveSandbox>) {

@@ -171,7 +171,8 @@ async fn start(max: usize) -> Server {
     std::fs::create_dir_all(&dir).unwrap();
     let backend = Arc::new(InProcess { dir: dir.clone() });
     let sandboxes = Sandboxes::new(backend, max, "0.6.13".into());
-    let app = Arc::new(App { api_key: KEY.into(), sandboxes });
+    let images = cordon_image::Store::open(&dir).unwrap();
+    let app = Arc::new(App { api_key: KEY.into(), sandboxes, images });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(cordon_server::serve(listener, app, std::future::pending()));
@@ -566,4 +567,98 @@ async fn a_start_command_port_that_needs_the_token_takes_only_requests_with_it()
     let open_s = open.to_string();
     let r = call(s.addr, Method::GET, "/", &[("e2b-sandbox-id", &oid), ("e2b-sandbox-port", &open_s)], "").await;
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_are_newest_first_unless_asc() {
+    let s = start(10).await;
+    let mut made = Vec::new();
+    for _ in 0..3 {
+        made.push(json!(create(s.addr, json!({})).await.0));
+    }
+    let ids = |r: Resp| -> Vec<Value> { r.json().as_array().unwrap().iter().map(|s| s["sandboxID"].clone()).collect() };
+    let newest_first: Vec<Value> = made.iter().rev().cloned().collect();
+    assert_eq!(ids(api(s.addr, Method::GET, "/v2/sandboxes", "").await), newest_first);
+    assert_eq!(ids(api(s.addr, Method::GET, "/v2/sandboxes?order=desc", "").await), newest_first);
+    assert_eq!(ids(api(s.addr, Method::GET, "/v2/sandboxes?order=asc", "").await), made);
+    // Pages keep the order across tokens.
+    let first = api(s.addr, Method::GET, "/v2/sandboxes?limit=2", "").await;
+    let token = first.headers.get("x-next-token").expect("a next token").to_str().unwrap().to_string();
+    let mut walked = ids(first);
+    walked.extend(ids(api(s.addr, Method::GET, &format!("/v2/sandboxes?limit=2&nextToken={token}"), "").await));
+    assert_eq!(walked, newest_first);
+    let r = api(s.addr, Method::GET, "/v2/sandboxes?order=sideways", "").await;
+    assert_error(&r, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&r.body).contains("use asc or desc"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn template_aliases_exist_for_recipes_and_built_images_only() {
+    let s = start(1).await;
+    // Built-in recipes exist before their first build (a create builds them).
+    for name in cordon_image::recipes() {
+        let r = api(s.addr, Method::GET, &format!("/templates/aliases/{name}"), "").await;
+        assert_eq!(r.status, StatusCode::OK, "{name}: {:?}", r.body);
+        assert_eq!(r.json(), json!({"templateID": name, "public": false}));
+    }
+    for missing in ["no-such-template", "Bad%20Name", "%2e%2e"] {
+        assert_error(&api(s.addr, Method::GET, &format!("/templates/aliases/{missing}"), "").await, StatusCode::NOT_FOUND);
+    }
+    // The API key guards it like every other endpoint.
+    let r = call(s.addr, Method::GET, "/templates/aliases/base", &[], "").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_or_forged_signed_url_gets_envds_answer_not_the_control_planes() {
+    use cordon_server::auth::{file_signature, FileOp};
+    let s = start(10).await;
+    let (_id, token) = create(s.addr, json!({})).await;
+    let file = s._dir.0.join("f.txt");
+    std::fs::write(&file, "f").unwrap();
+    let enc = |v: &str| cordon_envd::files::percent_encode(v);
+    let path = file.to_str().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    // URLs as download_url() makes them from E2B_SANDBOX_URL: no sandbox header, the
+    // signature alone names the sandbox.
+    let signed = |exp: i64| {
+        let sig = enc(&file_signature(path, FileOp::Read, "", &token, Some(exp)));
+        format!("/files?path={}&signature={sig}&signature_expiration={exp}", enc(path))
+    };
+    let r = call(s.addr, Method::GET, &signed(now + 60), &[], "").await;
+    assert_eq!((r.status, &r.body[..]), (StatusCode::OK, &b"f"[..]));
+    let r = call(s.addr, Method::GET, &signed(now - 10), &[], "").await;
+    assert_error(&r, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.json()["message"], json!("signature is already expired"));
+    // A signature no sandbox made: envd's words, not "missing API key".
+    let forged = format!("/files?path={}&signature=v1_AAAA", enc(path));
+    let r = call(s.addr, Method::GET, &forged, &[], "").await;
+    assert_error(&r, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.json()["message"], json!("invalid signature"));
+    // An expiry moved into the future breaks the signature instead.
+    let moved = signed(now - 10).replace(&format!("signature_expiration={}", now - 10), &format!("signature_expiration={}", now + 60));
+    let r = call(s.addr, Method::GET, &moved, &[], "").await;
+    assert_eq!(r.json()["message"], json!("invalid signature"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_answer_a_time_range() {
+    let s = start(10).await;
+    let (id, _) = create(s.addr, json!({})).await;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let get = |q: String| {
+        let id = id.clone();
+        async move { api(s.addr, Method::GET, &format!("/sandboxes/{id}/metrics{q}"), "").await }
+    };
+    let all = get(String::new()).await.json();
+    assert!(!all.as_array().unwrap().is_empty(), "{all}");
+    let inside = get(format!("?start={}&end={}", now - 5, now + 5)).await.json();
+    let times: Vec<i64> = inside.as_array().unwrap().iter().map(|m| m["timestampUnix"].as_i64().unwrap()).collect();
+    assert!(!times.is_empty() && times.iter().all(|t| (now - 5..=now + 5).contains(t)), "{inside}");
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "oldest first: {times:?}");
+    // Before the sandbox existed: nothing.
+    assert_eq!(get(format!("?start={}&end={}", now - 7200, now - 3600)).await.json(), json!([]));
+    for bad in ["?start=yesterday", "?end=1.5", &format!("?start={}&end={}", now, now - 10)] {
+        assert_error(&get(bad.to_string()).await, StatusCode::BAD_REQUEST);
+    }
 }
