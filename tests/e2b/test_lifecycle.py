@@ -132,15 +132,23 @@ def test_template_exists_for_the_templates_a_create_accepts(unique):
 def test_a_sandbox_killed_during_a_streaming_command_is_reported_as_gone():
     # The stream ends as envd ends one whose process side went away; the SDK then finds the
     # sandbox gone and says so, rather than blaming a protocol error on a timeout.
+    # The kill comes once the command's first output has arrived, however slow the machine.
     sbx = Sandbox.create(timeout=60)
-    killer = threading.Timer(2.0, lambda: Sandbox.kill(sbx.sandbox_id))
-    killer.start()
+    killers = []
+
+    def kill_on_output(_):
+        if not killers:
+            killers.append(threading.Thread(target=Sandbox.kill, args=(sbx.sandbox_id,)))
+            killers[0].start()
+
     try:
         with pytest.raises(SandboxNotRunningException) as ei:
-            sbx.commands.run("echo started; sleep 30", timeout=60)
+            sbx.commands.run("echo started; sleep 30", timeout=60, on_stdout=kill_on_output)
+        assert killers, "the command never printed"
         assert "killed or reached its end of life" in str(ei.value), str(ei.value)
     finally:
-        killer.cancel()
+        for k in killers:
+            k.join()
         Sandbox.kill(sbx.sandbox_id)
 
 
@@ -199,7 +207,9 @@ def test_metrics_time_range():
     sbx = Sandbox.create(timeout=60)
     try:
         time.sleep(6)
-        now = datetime.now() + timedelta(seconds=1)
+        # The range's end lies ahead, so the sample taken for this request is in it too however
+        # long the request takes.
+        now = datetime.now() + timedelta(seconds=60)
         m = sbx.get_metrics(start=before, end=now)
         assert len(m) >= 2, m
         for s in m:

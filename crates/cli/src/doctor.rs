@@ -14,11 +14,6 @@ fn read(p: &str) -> Option<String> {
     fs::read_to_string(p).ok().map(|s| s.trim().to_string())
 }
 
-fn which(bin: &str) -> Option<String> {
-    let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
-    path.split(':').map(|d| Path::new(d).join(bin)).find(|p| p.is_file()).map(|p| p.display().to_string())
-}
-
 /// What every tier needs of the host.
 fn host_checks(state: &State) -> Vec<Finding> {
     let mut out = Vec::new();
@@ -39,8 +34,8 @@ fn host_checks(state: &State) -> Vec<Finding> {
     } else {
         Finding::warn("tun", "no /dev/net/tun: sandboxes with --allow-net cannot be created", "modprobe tun")
     });
-    out.push(match which("mmdebstrap") {
-        Some(p) => Finding::ok("mmdebstrap", p),
+    out.push(match cordon_host::sys::which("mmdebstrap") {
+        Some(p) => Finding::ok("mmdebstrap", p.display().to_string()),
         None => Finding::warn(
             "mmdebstrap",
             "not installed (needed to build images; installed automatically when cordon runs as root)",

@@ -226,11 +226,6 @@ impl Sandbox {
         &self.id
     }
 
-    /// A pidfd of `runsc run`; it becomes readable when the sandbox dies.
-    pub fn pidfd(&self) -> Option<&OwnedFd> {
-        self.pidfd.as_ref()
-    }
-
     /// The TUN device of a sandbox created with `tun`, once, for the egress forwarder.
     pub fn take_tun(&mut self) -> Option<OwnedFd> {
         self.tun.take()
@@ -294,18 +289,22 @@ impl HostSandbox for Sandbox {
     fn socket_path(&self) -> &Path {
         &self.socket
     }
+
     fn cgroup(&self) -> &Cgroup {
         &self.cgroup
     }
+
     /// Kills every process of the sandbox now: runsc, its gofer and gVisor's kernel.
     fn kill(&self) {
         self.cgroup.kill();
     }
+
     /// Bytes used and total of the writable layer, through runsc's mount namespace.
     fn disk_usage(&self) -> Option<(u64, u64)> {
         let pid = self.host_pid()?;
         cordon_host::sys::disk_usage(Path::new(&format!("/proc/{pid}/root{}", self.entry.dir().join("disk").display())))
     }
+
     /// Kills the sandbox and removes its processes, cgroups and files. Idempotent.
     fn destroy(&mut self) -> Result<(), GvisorError> {
         if self.torn_down {

@@ -125,3 +125,9 @@ pub fn disk_usage(path: &std::path::Path) -> Option<(u64, u64)> {
     let total = st.f_blocks * st.f_frsize;
     Some((total - st.f_bfree * st.f_frsize, total))
 }
+
+/// Where `bin` is on `PATH` (the usual system directories when `PATH` is unset), if anywhere.
+pub fn which(bin: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    path.split(':').map(|d| std::path::Path::new(d).join(bin)).find(|p| p.is_file())
+}

@@ -28,7 +28,7 @@ use cordon_sandbox::host_sandbox::HostSandbox;
 use cordon_spec::Limits;
 use std::fs;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -213,19 +213,6 @@ impl Sandbox {
         UID_BASE + self.slot.as_ref().map_or(0, |s| s.index) * UID_COUNT
     }
 
-    /// A pidfd of the init; it becomes readable when the sandbox dies.
-    pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
-        self.pidfd.as_ref().map(|f| f.as_fd())
-    }
-
-    /// Whether the init has exited.
-    pub fn has_exited(&self) -> bool {
-        let Some(fd) = &self.pidfd else { return true };
-        let mut p = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(fd), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd, zero timeout.
-        unsafe { libc::poll(&mut p, 1, 0) > 0 }
-    }
-
     fn write_record(&self) -> Result<(), JailError> {
         let (pid, slot) = ((self.pid > 0).then_some(self.pid), self.slot.as_ref().map(|s| s.index));
         self.entry.record(&self.id, &self.cgroup, pid, slot).map_err(io_err("write record"))
@@ -246,9 +233,11 @@ impl HostSandbox for Sandbox {
     fn socket_path(&self) -> &Path {
         &self.socket
     }
+
     fn cgroup(&self) -> &Cgroup {
         &self.cgroup
     }
+
     /// Kills every process of the sandbox now. Killing the init of a pid namespace makes the
     /// kernel kill all of it; the cgroup kill catches anything else in the groups.
     fn kill(&self) {
@@ -257,6 +246,7 @@ impl HostSandbox for Sandbox {
         }
         self.cgroup.kill();
     }
+
     /// Bytes used and total of the writable layer, read through the init's view of its root.
     fn disk_usage(&self) -> Option<(u64, u64)> {
         if self.pid <= 0 {
@@ -264,6 +254,7 @@ impl HostSandbox for Sandbox {
         }
         cordon_host::sys::disk_usage(Path::new(&format!("/proc/{}/root/", self.pid)))
     }
+
     /// Kills the sandbox and removes its processes, cgroups and files. Idempotent.
     fn destroy(&mut self) -> Result<(), JailError> {
         if self.torn_down {
@@ -286,10 +277,12 @@ impl HostSandbox for Sandbox {
         }
         removed.map_err(io_err("remove cgroups"))
     }
+
     /// The syscalls the filter denied so far, when the sandbox was created with `audit`.
     fn denials(&self) -> Vec<cordon_sandbox::Denial> {
         self.audit.as_ref().map(|a| a.denials()).unwrap_or_default()
     }
+
     /// How much Landlock the kernel enforced (`unknown` if the init never said).
     fn landlock(&self) -> Option<String> {
         Some(self.landlock.map_or("unknown", landlock::Enforced::as_str).to_string())

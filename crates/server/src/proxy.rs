@@ -138,10 +138,7 @@ pub fn authorize<B>(entry: &LiveSandbox, req: &Request<B>) -> Result<Grant, ApiE
         };
     }
     if let Some(q) = files {
-        let op = match *req.method() {
-            Method::GET | Method::HEAD => FileOp::Read,
-            _ => FileOp::Write,
-        };
+        let op = file_op(req.method());
         let Some(sig) = q.signature else {
             return Err(ApiError::unauthorized("missing X-Access-Token header or signature"));
         };
@@ -153,6 +150,14 @@ pub fn authorize<B>(entry: &LiveSandbox, req: &Request<B>) -> Result<Grant, ApiE
         return Ok(Grant::Signed(SignedFile { op, path: file, user }));
     }
     Err(ApiError::unauthorized("missing X-Access-Token header"))
+}
+
+/// What a `/files` request does, as its signature names it.
+fn file_op(method: &Method) -> FileOp {
+    match *method {
+        Method::GET | Method::HEAD => FileOp::Read,
+        _ => FileOp::Write,
+    }
 }
 
 /// A response body that holds a stream permit of its sandbox.
@@ -209,10 +214,7 @@ impl hyper::body::Body for Permitted {
 pub fn signed_by<B>(sandboxes: &crate::Sandboxes, req: &Request<B>) -> Result<Option<Arc<LiveSandbox>>, ApiError> {
     let q = FilesQuery::parse(req.uri().query()).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let Some(sig) = q.signature.as_deref().filter(|_| !req.headers().contains_key("x-access-token")) else { return Ok(None) };
-    let op = match *req.method() {
-        Method::GET | Method::HEAD => FileOp::Read,
-        _ => FileOp::Write,
-    };
+    let op = file_op(req.method());
     let (file, user) = (q.path.as_deref().unwrap_or_default(), q.username.as_deref().unwrap_or_default());
     let exp = q.signature_expiration.as_deref();
     let signer = sandboxes.all().into_iter().find(|e| auth::file_signature_matches(sig, exp, file, op, user, &e.token));

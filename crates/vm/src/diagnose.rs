@@ -2,8 +2,6 @@
 //! and whether guests run under KVM or TCG here (a real boot decides, not the presence of
 //! /dev/kvm). Opening the tier also reaps VMs a crashed cordon left.
 
-use std::path::Path;
-
 use cordon_sandbox::diagnosis::{Diagnosis, Finding};
 use cordon_sandbox::Host;
 
@@ -44,8 +42,7 @@ pub fn diagnose(host: &Host) -> Diagnosis {
 }
 
 fn mkfs() -> Finding {
-    let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/sbin:/usr/bin:/sbin:/bin".into());
-    match path.split(':').map(|d| Path::new(d).join("mkfs.ext4")).find(|p| p.is_file()) {
+    match cordon_host::sys::which("mkfs.ext4") {
         Some(p) => Finding::ok("mkfs.ext4", p.display().to_string()),
         None => Finding::warn("mkfs.ext4", "not installed (the vm tier makes its disks with it)", "apt-get install e2fsprogs"),
     }
