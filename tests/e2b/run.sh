@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The E2B SDK suite: the real `e2b` package from PyPI, in tests/e2b/.venv (created once, reused),
 # against a `cordon serve` started here on a free port with a fixed API key and the default
-# state dir (where the `base` image is cached). Exits with pytest's status.
+# state dir (where the `base` image is cached). Exits with pytest's status. With no arguments it
+# then runs the old-SDK smoke suite and the JavaScript SDK suite (tests/e2b/js, npm `e2b`) against
+# the same server, and fails if any of them does.
 #
 #   tests/e2b/run.sh [pytest args...]       CORDON_BIN=... to pick the binary, E2B_UPGRADE=1 to
 #                                           upgrade the SDK to its latest release first
@@ -61,6 +63,23 @@ status=0
 (cd "$here" && "$venv/bin/python" -m pytest --ignore=old "$@") || status=$?
 if [ "$#" = 0 ]; then
     (cd "$here/old" && "$venv_old/bin/python" -m pytest -q -p no:cacheprovider .) || status=$?
+    # The JavaScript SDK, at the version package-lock.json pins, against the same server and env.
+    # Node is not part of the Rust toolchain: a machine without it skips this part, not the run.
+    js="$here/js"
+    if ! command -v node >/dev/null 2>&1; then
+        echo "tests/e2b: js SDK tests skipped: node is not installed" >&2
+    else
+        js_ready=1
+        # `npm ci` deletes node_modules and installs afresh, so only when it is missing or older
+        # than the lock file (npm writes node_modules/.package-lock.json on every install).
+        if [ ! -d "$js/node_modules/e2b" ] || [ "$js/package-lock.json" -nt "$js/node_modules/.package-lock.json" ]; then
+            (cd "$js" && npm ci --no-audit --no-fund) || { status=$?; js_ready=0; }
+        fi
+        if [ "$js_ready" = 1 ]; then
+            echo "tests/e2b: js e2b $(node -p "require('$js/node_modules/e2b/package.json').version")"
+            (cd "$root" && node --test tests/e2b/js/) || status=$?
+        fi
+    fi
 fi
 stop
 trap - EXIT

@@ -146,9 +146,12 @@ fn one_line(e: &anyhow::Error) -> String {
 
 fn init_tracing(verbose: u8) {
     use tracing_subscriber::EnvFilter;
+    // The forwarder's TCP/IP stack logs per packet, and every packet is the sandbox's: at warn it
+    // let a sandbox print a line per datagram on the operator's terminal. Only its errors show
+    // unless RUST_LOG asks (or -vv, for debugging the stack itself).
     let default = match verbose {
-        0 => "warn",
-        1 => "info",
+        0 => "warn,ipstack=error",
+        1 => "info,ipstack=error",
         _ => "debug",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));

@@ -25,6 +25,21 @@ impl State {
                 .with_context(|| format!("cannot create state dir {}: choose another with --state-dir or CORDON_HOME", self.dir.display()))?;
             std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o711))?;
         }
+        // Sandboxes run as unprivileged host uids that must pass through the state dir (and every
+        // directory above it) to reach their image layers and writable layer; a 0700 directory
+        // (e.g. from `mktemp -d`) would fail every sandbox with a raw mount error later.
+        for dir in self.dir.ancestors().filter(|d| !d.as_os_str().is_empty()) {
+            let mode = std::fs::metadata(dir).map(|m| m.permissions().mode()).unwrap_or(0o755);
+            if mode & 0o001 == 0 {
+                return Err(crate::usage(format!(
+                    "state dir {}: {} is mode {:o}, which sandbox users cannot pass through; run chmod o+x {} or choose another state dir",
+                    self.dir.display(),
+                    dir.display(),
+                    mode & 0o7777,
+                    dir.display()
+                )));
+            }
+        }
         // Overlay mount options cannot carry these characters in paths.
         let s = self.dir.to_string_lossy();
         if s.contains([',', ':', '\\']) {

@@ -236,6 +236,25 @@ fn bad_input_gets_one_line_and_exit_2() {
     }
 }
 
+/// A state dir sandbox users cannot pass through (`mktemp -d` makes 0700 ones) is refused up
+/// front with the fix, instead of every sandbox failing on a raw mount error; nothing is made in it.
+#[test]
+fn a_state_dir_sandboxes_cannot_enter_is_refused_with_the_fix() {
+    require_root!();
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("cordon-state-0700-{}", std::process::id()));
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let out = cordon().env("CORDON_HOME", &dir).args(["run", "--", "true"]).stdin(Stdio::null()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "not one line:\n{err}");
+    assert!(err.contains("chmod o+x") && err.contains("700"), "{err}");
+    assert!(left.is_empty(), "the refused state dir was written to: {left:?}");
+}
+
 #[test]
 fn a_missing_runsc_is_one_clear_line_and_no_fallback() {
     require_root!();

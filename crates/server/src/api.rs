@@ -129,6 +129,10 @@ struct NetworkBody {
     allow_out: Vec<String>,
     #[serde(rename = "denyOut", default)]
     deny_out: Vec<String>,
+    #[serde(rename = "allowPublicTraffic", default)]
+    allow_public_traffic: Option<bool>,
+    #[serde(rename = "maskRequestHost", default)]
+    mask_request_host: Option<String>,
 }
 
 impl NetworkBody {
@@ -188,6 +192,10 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
         (_, Some(n)) => n.policy()?,
     };
     app.sandboxes.check_network(tier, &network).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let traffic = match &b.network {
+        Some(n) => crate::traffic::Traffic::new(n.allow_public_traffic, n.mask_request_host.clone())?,
+        None => Default::default(),
+    };
     let entry = app
         .sandboxes
         .create(NewSandbox {
@@ -200,6 +208,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             memory_mb,
             disk_mb,
             network,
+            traffic,
         })
         .await?;
     Ok(json_response(StatusCode::CREATED, &sandbox_json(&entry)))
@@ -241,6 +250,7 @@ pub fn detail_json(e: &LiveSandbox) -> Value {
         "metadata": e.metadata,
         "domain": null,
         "lifecycle": {"autoResume": false, "onTimeout": "kill"},
+        "network": {"allowPublicTraffic": e.traffic.public, "maskRequestHost": e.traffic.mask_host},
     })
 }
 

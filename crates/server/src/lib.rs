@@ -23,6 +23,7 @@ pub mod query;
 pub mod registry;
 pub mod routes;
 pub mod start_command;
+pub mod traffic;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -40,8 +40,15 @@ pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incomi
         if req.uri().path().starts_with(FORWARD_PREFIX) {
             return ApiError::not_found("no such envd endpoint").into_response();
         }
-    } else if entry.token_ports.contains(&port) {
-        if let Err(e) = port_token::check(&entry, port, req.headers_mut()) {
+    } else {
+        // A port that needs a token already took one (the envd token or the traffic token).
+        let token_checked = entry.token_ports.contains(&port);
+        if token_checked {
+            if let Err(e) = port_token::check(&entry, port, req.headers_mut()) {
+                return e.into_response();
+            }
+        }
+        if let Err(e) = entry.traffic.admit(&entry, port, token_checked, req.headers_mut()) {
             return e.into_response();
         }
     }

@@ -34,6 +34,8 @@ pub struct LiveSandbox {
     /// Ports other than envd's that take only requests with a token: the image's start command's
     /// port, when it declares so.
     pub token_ports: Vec<u16>,
+    /// Who may reach its other ports, and the Host they are given (see [`crate::traffic`]).
+    pub traffic: crate::traffic::Traffic,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     pub started_at: SystemTime,
@@ -108,6 +110,8 @@ pub struct NewSandbox {
     pub memory_mb: u64,
     pub disk_mb: u64,
     pub network: cordon_spec::NetworkPolicy,
+    /// `allowPublicTraffic` and `maskRequestHost` (see [`crate::traffic`]).
+    pub traffic: crate::traffic::Traffic,
 }
 
 /// The registry.
@@ -228,6 +232,7 @@ impl Sandboxes {
                 .filter_map(|s| s.ready_port)
                 .filter(|p| *p != crate::ENVD_PORT)
                 .collect(),
+            traffic: req.traffic,
             metadata: req.metadata,
             env_vars: req.env_vars,
             started_at: SystemTime::now(),

@@ -387,6 +387,7 @@ crate::per_tier!(
     dns_types_that_carry_data_never_reach_the_allowed_zones_server,
     connections_to_a_host_that_never_reads_hold_bounded_forwarder_memory,
     a_dns_flood_with_a_silent_upstream_holds_bounded_forwarder_memory,
+    a_udp_flood_at_blocked_ports_stays_off_the_operators_terminal_and_within_budget,
 );
 
 /// Growth of cordon's peak RSS over its baseline that an egress flood may cause.
@@ -482,8 +483,37 @@ ru = resource.getrusage(resource.RUSAGE_SELF)
 print("done", sum(sent), 0, ru.ru_utime + ru.ru_stime, flush=True)
 "#;
 
-/// Runs `script` in a sandbox with `flags` and measures what its flood cost `cordon run`.
-fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) {
+/// Datagrams to ports nothing serves (the gateway's 9999, the test internet's 5300+ that no rule
+/// opens), from eight sockets, as fast as python sends them.
+const UDP_FLOOD: &str = r#"
+import resource, socket, sys, threading, time
+print("ready", flush=True)
+time.sleep(2)
+stop, sent = time.time() + float(sys.argv[1]), [0] * 8
+def flood(k):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    i = 0
+    while time.time() < stop:
+        for dst in (('10.0.2.1', 9999), ('198.51.100.11', 5300 + k)):
+            try:
+                s.sendto(b'x' * 64, dst); i += 1
+            except OSError:
+                pass
+    sent[k] = i
+ts = [threading.Thread(target=flood, args=(k,)) for k in range(8)]
+for t in ts: t.start()
+for t in ts: t.join()
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print("done", sum(sent), 0, ru.ru_utime + ru.ru_stime, flush=True)
+"#;
+
+/// Lines `cordon run` may print on stderr whatever the sandbox does (it prints none of its own
+/// for a clean run; a few for the host's own conditions).
+const STDERR_ALLOWANCE: usize = 4;
+
+/// Runs `script` in a sandbox with `flags` and measures what its flood cost `cordon run`: its
+/// RSS, and what reached the operator's terminal (cordon's stderr).
+fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) -> Cost {
     ensure_base();
     let _shared = testnet::QUIET.read().unwrap_or_else(|e| e.into_inner());
     let mut all = tier.flags(&["--json", "--timeout", "60s", "--memory", "64M"]);
@@ -494,14 +524,26 @@ fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) {
         .args(["--", "python3", "-c", script, "10"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let pid = child.id();
+    let stderr = child.stderr.take().unwrap();
+    let err_lines = std::thread::spawn(move || BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<String>>());
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines().map(Result::unwrap);
     let cost = measure(pid, &mut lines);
     let rest: Vec<String> = lines.collect();
     child.wait().unwrap();
+    let err_lines = err_lines.join().unwrap();
+    for l in err_lines.iter().take(10) {
+        eprintln!("cordon stderr: {l}");
+    }
+    assert!(
+        err_lines.len() <= STDERR_ALLOWANCE,
+        "{what} ({}): the sandbox's packets put {} lines on the operator's terminal",
+        tier.as_str(),
+        err_lines.len()
+    );
     eprintln!(
         "{what} ({}): {} units in {:.1}s, sandbox CPU {:.2}s, cordon CPU {:.2}s, cordon RSS {} MiB -> peak {} MiB",
         tier.as_str(),
@@ -523,6 +565,7 @@ fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) {
     );
     let rec: Value = serde_json::from_str(rest.last().expect("no JSON record")).unwrap();
     assert_clean(rec["sandbox_id"].as_str().unwrap());
+    cost
 }
 
 fn connections_to_a_host_that_never_reads_hold_bounded_forwarder_memory(tier: Tier) {
@@ -534,4 +577,25 @@ fn connections_to_a_host_that_never_reads_hold_bounded_forwarder_memory(tier: Ti
 fn a_dns_flood_with_a_silent_upstream_holds_bounded_forwarder_memory(tier: Tier) {
     let _silent = in_net(SILENT_DNS);
     egress_flood(tier, &["--dns-upstream", "198.51.100.11:5300", "--allow-net", "*.wild.test"], DNS_FLOOD, "a DNS flood with a silent upstream");
+}
+
+/// Every datagram is dropped by the forwarder (only DNS to the gateway is UDP it serves). Each
+/// used to print a warning of the forwarder's TCP/IP stack on `cordon run`'s stderr, a line per
+/// packet on the operator's terminal; and under `--cpus 0.05` the forwarder's CPU for the flood
+/// must stay within the budget cordon's other host-side parts have (CPU_ALLOWANCE of a core).
+fn a_udp_flood_at_blocked_ports_stays_off_the_operators_terminal_and_within_budget(tier: Tier) {
+    let cost = egress_flood(
+        tier,
+        &["--dns-upstream", testnet::DNS, "--cpus", "0.05", "--allow-net", "198.51.100.11:9001"],
+        UDP_FLOOD,
+        "a UDP flood at blocked ports",
+    );
+    assert!(
+        cost.cpu <= CPU_ALLOWANCE * cost.wall,
+        "a UDP flood at blocked ports ({}): cordon spent {:.2}s of CPU in {:.1}s (allowance {:.0}% of a core): {cost:?}",
+        tier.as_str(),
+        cost.cpu,
+        cost.wall,
+        CPU_ALLOWANCE * 100.0
+    );
 }
