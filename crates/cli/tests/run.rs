@@ -255,6 +255,48 @@ fn a_state_dir_sandboxes_cannot_enter_is_refused_with_the_fix() {
     assert!(left.is_empty(), "the refused state dir was written to: {left:?}");
 }
 
+/// Two cordons with different state dirs, one sandbox each, at the same time: each sandbox gets
+/// its own host uid range (the slot locks are host-wide), read from the sandbox's own uid_map.
+#[test]
+fn sandboxes_of_two_state_dirs_get_distinct_host_uid_ranges() {
+    require_root!();
+    ensure_base();
+    use std::os::unix::fs::PermissionsExt;
+    let alt = std::env::temp_dir().join(format!("cordon-state-alt-{}", std::process::id()));
+    std::fs::create_dir_all(alt.join("images")).unwrap();
+    std::fs::set_permissions(&alt, std::fs::Permissions::from_mode(0o711)).unwrap();
+    // The second state dir uses the first one's `base` (read-only) instead of building its own.
+    std::os::unix::fs::symlink(state_dir().join("images/base"), alt.join("images/base")).unwrap();
+    let script = "cat /proc/self/uid_map; sleep 30";
+    let spawn = |home: &std::path::Path| {
+        cordon()
+            .env("CORDON_HOME", home)
+            .args(["run", "--", "sh", "-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let first_line = |c: &mut std::process::Child| {
+        let mut line = String::new();
+        BufReader::new(c.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+        line.split_whitespace().nth(1).unwrap_or("").to_string()
+    };
+    let mut a = spawn(&state_dir());
+    let ra = first_line(&mut a);
+    let mut b = spawn(&alt);
+    let rb = first_line(&mut b);
+    for c in [&mut a, &mut b] {
+        // SIGTERM: cordon run tears its sandbox down (a SIGKILL would leave it to be reaped).
+        // SAFETY: kill with the pid of our own child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let _ = c.wait();
+    }
+    let _ = std::fs::remove_dir_all(&alt);
+    assert!(!ra.is_empty() && !rb.is_empty(), "no uid_map read: {ra:?} {rb:?}");
+    assert_ne!(ra, rb, "two live sandboxes of two state dirs share host uid range {ra}");
+}
+
 #[test]
 fn a_missing_runsc_is_one_clear_line_and_no_fallback() {
     require_root!();

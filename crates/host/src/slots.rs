@@ -3,6 +3,11 @@
 //! Slot `n` owns uids `UID_BASE + n*65536 ..`. A slot is taken by holding an flock on
 //! `slots/<n>`; the kernel drops the lock when its holder dies, and orphaned sandboxes are
 //! reaped before any new slot is handed out, so two live sandboxes never share a range.
+//!
+//! The lock files are host-wide ([`HOST_DIR`], on the `/run` tmpfs, which a reboot clears with
+//! the locks), not per state dir: uid ranges are a host resource, and two cordons with different
+//! state dirs used to hand the same range to two live sandboxes (sharing every per-user kernel
+//! budget and the ownership of every file either makes).
 
 use crate::sys;
 use std::fs;
@@ -10,6 +15,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 const CAPACITY: u32 = 16_000;
+
+/// Where every cordon on the host takes its slots.
+pub const HOST_DIR: &str = "/run/cordon/slots";
 
 pub struct Slots {
     dir: PathBuf,
@@ -27,6 +35,15 @@ impl Slots {
         Ok(Slots { dir: dir.to_path_buf() })
     }
 
+    /// The host-wide slots ([`HOST_DIR`]); `fallback` (under the state dir) only on a host
+    /// without a writable `/run`, with a warning that ranges are then per state dir.
+    pub fn open_host(fallback: &Path) -> io::Result<Slots> {
+        Slots::open(Path::new(HOST_DIR)).or_else(|e| {
+            tracing::warn!("{HOST_DIR}: {e}; uid ranges are taken per state dir ({}) instead", fallback.display());
+            Slots::open(fallback)
+        })
+    }
+
     pub fn capacity(&self) -> u32 {
         CAPACITY
     }
@@ -37,11 +54,31 @@ impl Slots {
                 continue;
             };
             if sys::flock_exclusive_nb(&file).unwrap_or(false) {
+                // A free lock whose range a process still runs in: an orphan of a cordon that
+                // died, not yet reaped (by the next cordon of its own state dir). Never share it.
+                if range_in_use(index) {
+                    continue;
+                }
                 return Some(Slot { index, _file: file });
             }
         }
         None
     }
+}
+
+/// Whether any process on the host has a uid (real, effective, saved or filesystem) in slot
+/// `index`'s range.
+fn range_in_use(index: u32) -> bool {
+    let lo = crate::UID_BASE + index * crate::UID_COUNT;
+    let hi = lo + crate::UID_COUNT;
+    let Ok(procs) = fs::read_dir("/proc") else { return false };
+    procs.filter_map(Result::ok).filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit())).any(|e| {
+        fs::read_to_string(e.path().join("status")).is_ok_and(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .is_some_and(|l| l.split_whitespace().skip(1).filter_map(|u| u.parse::<u32>().ok()).any(|u| (lo..hi).contains(&u)))
+        })
+    })
 }
 
 #[cfg(test)]
@@ -57,9 +94,11 @@ mod tests {
         assert_ne!(a.index, b.index);
         let ai = a.index;
         drop(a);
-        let c = slots.acquire().unwrap();
-        assert_eq!(c.index, ai);
-        drop((b, c));
+        // The freed slot's lock can be taken again (whether acquire() hands it out also depends
+        // on the host's processes, which other tests' sandboxes change meanwhile).
+        let again = fs::OpenOptions::new().write(true).open(dir.join(ai.to_string())).unwrap();
+        assert!(sys::flock_exclusive_nb(&again).unwrap());
+        drop((b, again));
         fs::remove_dir_all(&dir).unwrap();
     }
 }

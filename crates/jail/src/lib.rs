@@ -89,7 +89,7 @@ impl Jail {
     /// crashed instance left behind. `exe` is the cordon binary, re-run as the jailer.
     pub fn open(state_dir: &Path, exe: PathBuf) -> Result<Jail, JailError> {
         let ledger = Ledger::open(state_dir.join("run"), "sandbox").map_err(io_err("open the run directory"))?;
-        let slots = slots::Slots::open(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
+        let slots = slots::Slots::open_host(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
         let layout = Layout::detect();
         let missing = layout.missing();
         if !missing.is_empty() {

@@ -130,7 +130,7 @@ impl VmTier {
         }
         let vm_dir = state_dir.join("vm");
         let ledger = Ledger::open(vm_dir.join("run"), "VM").map_err(io_err("open the run directory"))?;
-        let slots = cordon_host::Slots::open(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
+        let slots = cordon_host::Slots::open_host(&state_dir.join("slots")).map_err(io_err("open slot directory"))?;
         let tier = VmTier { vm_dir, ledger, slots, layout, exe, vmm };
         tier.reap_orphans();
         Ok(tier)
