@@ -86,15 +86,22 @@ def test_network_rules_from_the_create_body_and_their_update(tier):
         # Outside the allowed range: the forwarder refuses it and says so in the trail.
         assert "refused" in dial(sbx, "198.51.100.200")
         assert blocked_to(sid, "198.51.100.200"), audit(sid)
+        # GET reports the policy in force, in cordon's rule forms.
+        net = httpx.get(f"{API_URL}/sandboxes/{sid}", headers=H).json()["network"]
+        assert (net["allowOut"], net["denyOut"]) == (["198.51.100.0/25"], ["198.51.100.9/32"]), net
 
         # An update replaces the rules; attempts under the new ones are recorded too.
         r = httpx.put(f"{API_URL}/sandboxes/{sid}/network", headers=H, json={"allowOut": [], "denyOut": ["203.0.113.0/24"]})
         assert r.status_code == 204, r.text
         assert "refused" in dial(sbx, "203.0.113.5")
         assert blocked_to(sid, "203.0.113.5"), audit(sid)
+        net = httpx.get(f"{API_URL}/sandboxes/{sid}", headers=H).json()["network"]
+        assert (net["allowOut"], net["denyOut"]) == ([], ["203.0.113.0/24"]), net
 
         bad = httpx.put(f"{API_URL}/sandboxes/{sid}/network", headers=H, json={"allowOut": ["198.51.100.0/99"]})
         assert bad.status_code == 400, bad.text
+        # A refused update changes nothing.
+        assert httpx.get(f"{API_URL}/sandboxes/{sid}", headers=H).json()["network"]["denyOut"] == ["203.0.113.0/24"]
     finally:
         sbx.kill()
 

@@ -234,6 +234,7 @@ pub fn sandbox_json(e: &LiveSandbox) -> Value {
 
 /// `SandboxDetail` / `ListedSandbox`.
 pub fn detail_json(e: &LiveSandbox) -> Value {
+    let network = e.network();
     json!({
         "templateID": e.template,
         "sandboxID": e.id,
@@ -250,7 +251,14 @@ pub fn detail_json(e: &LiveSandbox) -> Value {
         "metadata": e.metadata,
         "domain": null,
         "lifecycle": {"autoResume": false, "onTimeout": "kill"},
-        "network": {"allowPublicTraffic": e.traffic.public, "maskRequestHost": e.traffic.mask_host},
+        // The policy in force, in cordon's rule forms: with cordon's closed default an empty
+        // allowOut means no network at all, whatever denyOut says.
+        "network": {
+            "allowOut": network.allow.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "denyOut": network.deny.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "allowPublicTraffic": e.traffic.public,
+            "maskRequestHost": e.traffic.mask_host,
+        },
     })
 }
 

@@ -36,6 +36,8 @@ pub struct LiveSandbox {
     pub token_ports: Vec<u16>,
     /// Who may reach its other ports, and the Host they are given (see [`crate::traffic`]).
     pub traffic: crate::traffic::Traffic,
+    /// The egress policy in force (the create's, then each update's), as GET reports it.
+    network: Mutex<cordon_spec::NetworkPolicy>,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     pub started_at: SystemTime,
@@ -95,7 +97,14 @@ impl LiveSandbox {
 
     /// Replaces its egress policy (new connections only).
     pub fn set_network(&self, policy: cordon_spec::NetworkPolicy) -> Result<(), cordon_sandbox::Error> {
-        self.with_instance(Err(cordon_sandbox::Error::Unavailable("the sandbox is gone".into())), |i| i.set_network(policy))
+        self.with_instance(Err(cordon_sandbox::Error::Unavailable("the sandbox is gone".into())), |i| i.set_network(policy.clone()))?;
+        *self.network.lock().unwrap_or_else(|p| p.into_inner()) = policy;
+        Ok(())
+    }
+
+    /// The egress policy in force.
+    pub fn network(&self) -> cordon_spec::NetworkPolicy {
+        self.network.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -197,7 +206,7 @@ impl Sandboxes {
             image: req.template.clone(),
             limits: served::limits(req.memory_mb, req.cpu_count, req.disk_mb),
             env: req.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            network: req.network,
+            network: req.network.clone(),
             // The audit trail is served by `GET /sandboxes/{id}/audit`; it costs an idle thread.
             audit: true,
             ..Default::default()
@@ -233,6 +242,7 @@ impl Sandboxes {
                 .filter(|p| *p != crate::ENVD_PORT)
                 .collect(),
             traffic: req.traffic,
+            network: Mutex::new(req.network),
             metadata: req.metadata,
             env_vars: req.env_vars,
             started_at: SystemTime::now(),
