@@ -5,6 +5,7 @@ use crate::usage;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 #[derive(Args, Debug)]
@@ -21,6 +22,31 @@ pub struct ServeArgs {
     /// envd version reported to SDKs (it turns SDK features on and off).
     #[arg(long, default_value = cordon_server::DEFAULT_ENVD_VERSION)]
     envd_version: String,
+    /// What a create without network rules gets: `closed` (no network until an allowOut rule
+    /// opens it) or `open` (E2B's semantics: the internet, denyOut as a blocklist; never the
+    /// host, private ranges or metadata).
+    #[arg(long, value_enum, default_value_t = NetworkDefaultArg::Closed)]
+    network_default: NetworkDefaultArg,
+    /// The sandboxes' domain: create and connect return it, and the SDKs then reach sandbox
+    /// ports at https://<port>-<id>.DOMAIN (DNS: *.DOMAIN and DOMAIN to this server).
+    #[arg(long, value_name = "DOMAIN")]
+    domain: Option<String>,
+    /// Serve TLS with this certificate chain (PEM, leaf first); needs --tls-key.
+    #[arg(long, value_name = "FILE", requires = "tls_key", conflicts_with = "tls_self_signed")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Serve TLS with a certificate for DOMAIN and *.DOMAIN issued at each start by a CA kept in
+    /// <state>/tls/ (made once); clients trust <state>/tls/ca.pem. Needs --domain.
+    #[arg(long, requires = "domain")]
+    tls_self_signed: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum NetworkDefaultArg {
+    Closed,
+    Open,
 }
 
 pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
@@ -31,6 +57,28 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     if a.max_sandboxes == 0 {
         return Err(usage("--max-sandboxes must be at least 1"));
     }
+    if let Some(d) = &a.domain {
+        if !cordon_server::tls::valid_domain(d) {
+            return Err(usage(format!("--domain {d:?} is not a DNS name: give lowercase labels such as sandboxes.example.org")));
+        }
+    }
+    let tls = match (&a.tls_cert, &a.tls_key, &a.domain) {
+        (Some(cert), Some(key), _) => Some(cordon_server::tls::from_pem_files(cert, key).map_err(|e| usage(format!("--tls-cert/--tls-key: {e}")))?),
+        (_, _, Some(domain)) if a.tls_self_signed => {
+            state.ensure()?;
+            let (acceptor, ca) = cordon_server::tls::self_signed(state.dir(), domain).context("--tls-self-signed")?;
+            eprintln!(
+                "cordon serve: TLS for {domain} and *.{domain}; clients must trust {0} (SSL_CERT_FILE={0}, NODE_EXTRA_CA_CERTS={0})",
+                ca.display()
+            );
+            Some(acceptor)
+        }
+        (_, _, Some(domain)) => {
+            eprintln!("cordon serve: --domain {domain} without TLS here: the SDKs use https://, so put a TLS proxy in front, or give --tls-cert/--tls-key or --tls-self-signed");
+            None
+        }
+        _ => None,
+    };
     let store = state.images()?;
     if store.get("base").map_or(true, |img| store.is_stale(&img)) && cordon_image::recipes().contains(&"base") {
         eprintln!("cordon serve: building the default image `base` first (about a minute, once)");
@@ -64,16 +112,26 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     }
     let backend = tiers;
     let sandboxes = cordon_server::Sandboxes::new(backend, a.max_sandboxes, a.envd_version);
-    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: state.images()? });
+    let network_default = match a.network_default {
+        NetworkDefaultArg::Closed => cordon_server::network::NetworkDefault::Closed,
+        NetworkDefaultArg::Open => cordon_server::network::NetworkDefault::Open,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let domain = a.domain.clone();
+    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: state.images()?, network_default, domain, tls });
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("listen on {}", a.listen))?;
-        eprintln!(
-            "cordon serve: listening on http://{0} (E2B_API_URL=http://{0} E2B_SANDBOX_URL=http://{0})",
-            listener.local_addr()?
-        );
-        tracing::info!(addr = %a.listen, max_sandboxes = a.max_sandboxes, "serving");
+        let addr = listener.local_addr()?;
+        match &a.domain {
+            Some(d) => eprintln!(
+                "cordon serve: listening on {scheme}://{addr} for {d} (E2B_DOMAIN={d}, with DNS for {d} and *.{d} pointing here{})",
+                if scheme == "https" && addr.port() == 443 { "" } else { "; the SDKs expect port 443" }
+            ),
+            None => eprintln!("cordon serve: listening on {scheme}://{addr} (E2B_API_URL={scheme}://{addr} E2B_SANDBOX_URL={scheme}://{addr})"),
+        }
+        tracing::info!(addr = %a.listen, max_sandboxes = a.max_sandboxes, network_default = %network_default, "serving");
         cordon_server::serve(listener, app, shutdown()).await?;
         tracing::info!("stopped");
         Ok::<_, anyhow::Error>(())

@@ -24,6 +24,7 @@ per_tier!(
     query_straight_to_another_resolver_fails,
     raw_ip_connect_to_an_unlisted_address_fails,
     udp_and_icmp_fail_even_with_everything_allowed,
+    denied_connections_fail_at_once_with_a_reset_or_an_unreachable,
     allowed_names_resolving_to_loopback_private_or_metadata_are_refused,
     sni_naming_an_allowed_host_while_dialling_another_ip_reaches_only_the_allowed_host,
     services_on_the_hosts_loopback_are_unreachable_with_any_policy,
@@ -239,6 +240,78 @@ fn udp_and_icmp_fail_even_with_everything_allowed(tier: Tier) {
     assert!(!r.stdout.contains("icmp_raw=0"), "raw sockets must be refused: {r:?}");
     assert!(has_block(&r, "udp", &format!("{WEB_V4}:9999"), "UDP goes only"), "{:?}", blocked(&r));
     assert!(!inet.since(&mark).contains("udp from="), "a datagram arrived");
+}
+
+/// How each kind of refused flow ends for the program that made it, with the wait it took:
+/// a TCP connect by address (`tcp-addr`), a connect that sends nothing where name rules exist
+/// (`tcp-silent`), a TLS hello naming an unlisted host (`tcp-sni`), and a connected UDP socket
+/// (`udp`). Each client waits up to 8 s: "timeout" is the hang the refusal must not be.
+const REFUSALS: &str = r#"
+import errno, socket, ssl, sys, time
+def outcome(f):
+    t = time.time()
+    try:
+        r = f()
+    except socket.timeout:
+        r = 'timeout'
+    except ssl.SSLError as e:
+        r = 'ssl:' + type(e).__name__
+    except OSError as e:
+        r = errno.errorcode.get(e.errno, str(e.errno))
+    return '%s %.1f' % (r, time.time() - t)
+def tcp(ip, port, payload):
+    s = socket.create_connection((ip, port), timeout=8)
+    if payload: s.sendall(payload)
+    return 'open' if s.recv(100) else 'eof'
+def sni():
+    c = ssl.create_default_context(); c.check_hostname = False; c.verify_mode = ssl.CERT_NONE
+    s = socket.create_connection((sys.argv[2], 443), timeout=8)
+    c.wrap_socket(s, server_hostname='unlisted.test').recv(100)
+    return 'open'
+def udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(8)
+    s.connect((sys.argv[1], 9999)); s.send(b'x')
+    s.send(b'x'); s.recv(100)
+    return 'answer'
+print('tcp-addr', outcome(lambda: tcp(sys.argv[1], 80, b'GET / HTTP/1.0\r\n\r\n')))
+print('udp', outcome(udp))
+if sys.argv[3] == 'names':
+    print('tcp-silent', outcome(lambda: tcp(sys.argv[1], 22, b'')))
+    print('tcp-sni', outcome(sni))
+"#;
+
+/// A refused connection fails at once, as a firewall's REJECT does: a TCP connection gets a
+/// RST as soon as the address (at once) or the name (once the first bytes or the forwarder's
+/// wait for a silent client settle it) refuses it, and a connected UDP socket gets an ICMP
+/// unreachable (EHOSTUNREACH). Before, each hung until the
+/// client's own timeout: the forwarder completed the handshake and then went quiet.
+fn denied_connections_fail_at_once_with_a_reset_or_an_unreachable(tier: Tier) {
+    let outcomes = |r: &Run| -> Vec<(String, String)> {
+        r.stdout.lines().filter_map(|l| l.split_once(' ')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    };
+    let check = |r: &Run, want: &[(&str, &str)]| {
+        assert_eq!(r.code, 0, "{r:?}");
+        let got = outcomes(r);
+        for (label, errnos) in want {
+            let o = got.iter().find(|(k, _)| k == label).unwrap_or_else(|| panic!("{label}: no outcome: {r:?}"));
+            assert!(errnos.split('|').any(|e| o.1.starts_with(&format!("{e} "))), "{label}: {} (want {errnos}): {r:?}", o.1);
+        }
+        assert!(has_block(r, "tcp", &format!("{OTHER_V4}:80"), ""), "{:?}", blocked(r));
+        assert!(has_block(r, "udp", &format!("{OTHER_V4}:9999"), ""), "{:?}", blocked(r));
+    };
+    let run = |allow: &[&str], mode: &str| {
+        net_on(tier, allow, &[], &format!("cat > /tmp/r.py <<'EOF'\n{REFUSALS}\nEOF\npython3 /tmp/r.py {OTHER_V4} {WEB_V4} {mode}"))
+    };
+    // Address rules only: the address settles it before anything is read (the stack may have
+    // answered the SYN already, so the connect itself is refused or reset right after it).
+    let net2 = format!("{NET2_V4}/32");
+    check(&run(&[&net2], "addrs"), &[("tcp-addr", "ECONNREFUSED|ECONNRESET"), ("udp", "EHOSTUNREACH")]);
+    // With a name rule the forwarder answers the handshake to read the name; it resets the
+    // connection as soon as the name (or its absence) refuses it.
+    check(
+        &run(&["web.test", &net2], "names"),
+        &[("tcp-addr", "ECONNRESET"), ("udp", "EHOSTUNREACH"), ("tcp-silent", "ECONNRESET"), ("tcp-sni", "ECONNRESET")],
+    );
 }
 
 fn allowed_names_resolving_to_loopback_private_or_metadata_are_refused(tier: Tier) {
@@ -480,16 +553,17 @@ mod runtime_update {
         format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
     }
 
-    pub fn check() {
-        let ns = format!("cordon-upd-{}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &ns]).status();
-        assert!(Command::new("ip").args(["netns", "add", &ns]).status().unwrap().success());
+    /// A namespace made here with a sandbox's TUN device in it (as the jail plumbs one), and
+    /// the resolv.conf `ip netns exec` shows in it. Returns the TUN's host end.
+    fn namespace_with_tun(ns: &str) -> std::os::fd::OwnedFd {
+        let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        assert!(Command::new("ip").args(["netns", "add", ns]).status().unwrap().success());
         // `ip netns exec` shows this file as the namespace's /etc/resolv.conf.
         let etc = format!("/etc/netns/{ns}");
         std::fs::create_dir_all(&etc).unwrap();
         std::fs::write(format!("{etc}/resolv.conf"), "nameserver 10.0.2.1\n").unwrap();
         let path = format!("/run/netns/{ns}");
-        let tun = std::thread::spawn(move || {
+        std::thread::spawn(move || {
             let f = std::fs::File::open(&path).unwrap();
             // SAFETY: setns on this short-lived thread only; the fd is valid.
             assert_eq!(unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&f), libc::CLONE_NEWNET) }, 0);
@@ -497,30 +571,152 @@ mod runtime_update {
             cordon_jail::tun::create().unwrap()
         })
         .join()
-        .unwrap();
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-        let _enter = rt.enter();
-        let cfg = cordon_net::EgressConfig {
+        .unwrap()
+    }
+
+    fn remove_namespace(ns: &str) {
+        let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns}"));
+    }
+
+    fn config(cpu: cordon_net::CpuCharge) -> cordon_net::EgressConfig {
+        cordon_net::EgressConfig {
             gateways: vec![cordon_jail::tun::GATEWAY_V4.into(), cordon_jail::tun::GATEWAY_V6.into()],
             dns_upstream: Some(DNS.parse().unwrap()),
             mtu: cordon_jail::tun::MTU,
-        };
+            cpu,
+        }
+    }
+
+    pub fn check() {
+        let ns = format!("cordon-upd-{}", std::process::id());
+        let tun = namespace_with_tun(&ns);
         let policy = |a: &[&str]| cordon_spec::NetworkPolicy::parse(a, &[] as &[&str]).unwrap();
-        let egress = cordon_net::Egress::start(tun, policy(&["allowed.test"]), cfg).unwrap();
+        let unbounded = cordon_net::CpuCharge { cpus: 64.0, group: None };
+        let egress = cordon_net::Egress::start(tun, policy(&["allowed.test"]), config(unbounded)).unwrap();
         let first = (curl_in(&ns, "http://allowed.test/"), curl_in(&ns, "http://a.wild.test/"));
         egress.update_policy(policy(&["*.wild.test"]));
         let second = (curl_in(&ns, "http://allowed.test/"), curl_in(&ns, "http://a.wild.test/"));
         let blocked = egress.blocked();
         drop(egress);
-        drop(rt);
-        let _ = Command::new("ip").args(["netns", "del", &ns]).status();
-        let _ = std::fs::remove_dir_all(&etc);
+        remove_namespace(&ns);
         assert!(first.0.contains("host=allowed.test"), "{first:?}");
         assert!(!first.1.contains("reached"), "{first:?}");
         assert!(!second.0.contains("reached"), "{second:?}");
         assert!(second.1.contains("host=a.wild.test"), "{second:?}");
         assert!(blocked.iter().any(|b| b.name.as_deref() == Some("allowed.test")), "{blocked:?}");
     }
+
+    /// `cordon serve --network-default open`'s policies, driven through the forwarder: a name
+    /// no rule mentions resolves and is reached, an address `denyOut` lists is refused at
+    /// once, and after an update that closes everything (`allow_internet_access: false`) a
+    /// connection that worked before is reset at once instead of hanging.
+    pub fn open_check() {
+        use cordon_server::network::NetworkDefault;
+        let ns = format!("cordon-open-{}", std::process::id());
+        let tun = namespace_with_tun(&ns);
+        let deny = vec![format!("{OTHER_V4}/32")];
+        let open = NetworkDefault::Open.policy(&[], &deny, None).unwrap();
+        let egress = cordon_net::Egress::start(tun, open, config(cordon_net::CpuCharge { cpus: 64.0, group: None })).unwrap();
+        let unlisted = curl_in(&ns, "http://allowed.test/");
+        let denied = curl_in(&ns, &format!("http://{OTHER_V4}/"));
+        egress.update_policy(NetworkDefault::Open.policy(&[], &[], Some(false)).unwrap());
+        let closed = curl_in(&ns, &format!("http://{WEB_V4}/"));
+        let blocked = egress.blocked();
+        drop(egress);
+        remove_namespace(&ns);
+        assert!(unlisted.contains("host=allowed.test"), "an unlisted name under the open default: {unlisted}");
+        let refused_at_once = |out: &str| (out.contains("curl: (7)") || out.contains("curl: (56)")) && !out.contains("curl: (28)");
+        assert!(refused_at_once(&denied), "a denyOut address: {denied}");
+        assert!(refused_at_once(&closed), "after closing: {closed}");
+        assert!(blocked.iter().any(|b| b.destination.contains(OTHER_V4)), "{blocked:?}");
+    }
+
+    /// A TCP server in the test internet on OTHER_V4:9003 that reads and discards everything.
+    const DRAIN: &str = r#"
+import socket, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('198.51.100.11', 9003)); s.listen(16)
+print('listening', flush=True)
+def drain(c):
+    while c.recv(1 << 20):
+        pass
+while True:
+    c, _ = s.accept(); threading.Thread(target=drain, args=(c,), daemon=True).start()
+"#;
+
+    /// Four connections from the namespace to the drain, sending as fast as they can for the
+    /// seconds given; prints the bytes sent.
+    const PUSH: &str = r#"
+import socket, sys, threading, time
+stop, sent = time.time() + float(sys.argv[1]), [0] * 4
+def run(k):
+    c = socket.create_connection(('198.51.100.11', 9003), timeout=3)
+    while time.time() < stop:
+        try: sent[k] += c.send(b'x' * 65536)
+        except socket.timeout: pass
+ts = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+for t in ts: t.start()
+for t in ts: t.join()
+print(sum(sent))
+"#;
+
+    /// CPU seconds of one thread of this process.
+    fn thread_cpu(tid: libc::pid_t) -> f64 {
+        let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
+        let f: Vec<&str> = s.rsplit_once(") ").unwrap().1.split_whitespace().collect();
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / hz
+    }
+
+    /// Where no cgroup can take the forwarder's thread (cgroup v2), the forwarder holds itself
+    /// to the sandbox's `--cpus`: pushed at by a sender with a whole core, its thread spends
+    /// at most the quota over the push's wall time (a quarter over it, and a tenth of a
+    /// second, allowed for the clock's ticks), and the data still flows.
+    pub fn budget_check() {
+        let inet = internet();
+        let mut drain = Command::new("ip")
+            .args(["netns", "exec", &inet.ns, "python3", "-c", DRAIN])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(drain.stdout.as_mut().unwrap()), &mut line).unwrap();
+        assert_eq!(line.trim(), "listening");
+        let ns = format!("cordon-cpu-{}", std::process::id());
+        let tun = namespace_with_tun(&ns);
+        let cpus = 0.1;
+        let policy = cordon_spec::NetworkPolicy::parse(&[format!("{OTHER_V4}:9003")], &[] as &[&str]).unwrap();
+        let egress = cordon_net::Egress::start(tun, policy, config(cordon_net::CpuCharge { cpus, group: None })).unwrap();
+        assert!(!egress.charged_to_group());
+        let (c0, t0) = (thread_cpu(egress.thread_id()), std::time::Instant::now());
+        let out = Command::new("ip").args(["netns", "exec", &ns, "python3", "-c", PUSH, "4"]).output().unwrap();
+        let (cpu, wall) = (thread_cpu(egress.thread_id()) - c0, t0.elapsed().as_secs_f64());
+        drop(egress);
+        remove_namespace(&ns);
+        let _ = drain.kill();
+        let _ = drain.wait();
+        let sent: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(0);
+        eprintln!("a push at a budget of {cpus} CPUs: {sent} bytes in {wall:.1}s, forwarder CPU {cpu:.2}s");
+        assert!(sent > 1 << 20, "the push barely ran: {out:?}");
+        assert!(cpu <= cpus * wall * 1.25 + 0.1, "the forwarder spent {cpu:.2}s of CPU in {wall:.1}s on a budget of {cpus} CPUs");
+    }
+}
+
+#[test]
+fn the_open_network_default_is_e2bs_and_closing_it_refuses_at_once() {
+    require_root!();
+    internet();
+    let _shared = QUIET.read().unwrap_or_else(|e| e.into_inner());
+    runtime_update::open_check();
+}
+
+#[test]
+fn the_forwarder_holds_itself_to_the_sandboxs_cpus_where_no_cgroup_can_take_it() {
+    require_root!();
+    let _shared = QUIET.read().unwrap_or_else(|e| e.into_inner());
+    runtime_update::budget_check();
 }
 
 /// pip against the test index, with no proxy variables; one try, so a refused host fails fast.

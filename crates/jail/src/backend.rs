@@ -64,7 +64,7 @@ impl Backend for JailBackend {
         };
         let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
         let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
-        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, crate::tun::MTU, self.dns_upstream)?;
+        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, crate::tun::MTU, self.dns_upstream, &sandbox.cgroup, &spec.limits)?;
         Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone() }))
     }
 }

@@ -114,7 +114,7 @@ impl Dns {
         resp.add_query(q.clone());
         let name = q.name().to_ascii();
         let name = name.trim_end_matches('.').to_ascii_lowercase();
-        let verdict = policy.name_resolvable(&name);
+        let verdict = policy.answers_dns_for(&name);
         if !verdict.allowed() {
             let reason = match verdict {
                 Verdict::Deny(r) => format!("name denied by rule {r}"),

@@ -63,9 +63,9 @@ pub(crate) async fn serve(device: TunDevice, mtu: u16, shared: Arc<Shared>) {
         match flow {
             IpStackStream::Tcp(s) => {
                 let Ok(permit) = shared.tcp_flows.clone().try_acquire_owned() else {
+                    let mut s = s;
                     shared.audit.record("tcp", s.peer_addr().to_string(), None, format!("more than {MAX_TCP_FLOWS} connections open at once"));
-                    // ipstack's drop waits for the flow's task; not on the accept loop.
-                    tokio::spawn(async move { drop(s) });
+                    s.reset();
                     continue;
                 };
                 tokio::spawn(async move {
@@ -99,6 +99,8 @@ async fn udp(shared: Arc<Shared>, mut s: IpStackUdpStream) {
     if !(shared.is_gateway(dst.ip()) && dst.port() == 53) {
         if !dst.ip().is_multicast() {
             shared.audit.record("udp", dst.to_string(), None, "UDP goes only to the gateway's DNS".into());
+            // Fail the sender's socket at once rather than let it wait for an answer.
+            let _ = s.reject();
         }
         return;
     }
@@ -243,6 +245,7 @@ async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
             dns_tcp(shared, s, dst).await;
         } else {
             shared.audit.record("tcp", dst.to_string(), None, "the gateway serves only DNS".into());
+            s.reset();
         }
         return;
     }
@@ -252,8 +255,11 @@ async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
     let name_denies = policy.deny.iter().any(|r| !matches!(r.target, Target::Cidr(_)));
     let ip_ok = policy.check_ip(dst.ip(), dst.port()).allowed()
         || shared.dns.name_of(dst.ip()).is_some_and(|n| policy.check_name(&n, dst.port()).allowed());
+    // Without a name rule that could allow it, a connection the address does not allow is
+    // refused before anything is read (its connect fails at once).
+    let name_allows = policy.allow.iter().any(|r| !matches!(r.target, Target::Cidr(_)));
     let mut first = Vec::new();
-    let sniffed = if ip_ok && !name_denies { Sniffed::Nameless } else { peek(&mut s, &mut first).await };
+    let sniffed = if (ip_ok && !name_denies) || (!ip_ok && !name_allows) { Sniffed::Nameless } else { peek(&mut s, &mut first).await };
     let name = match &sniffed {
         Sniffed::Name(n) => Some(n.as_str()),
         _ => None,
@@ -262,6 +268,7 @@ async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
         Ok(t) => t,
         Err(reason) => {
             shared.audit.record("tcp", dst.to_string(), name.map(str::to_string), reason);
+            s.reset();
             return;
         }
     };
@@ -276,7 +283,11 @@ async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
             Err(_) => tracing::debug!(%t, "dial timed out"),
         }
     }
-    let Some(mut up) = upstream else { return };
+    // As the destination itself would answer a refused or unreachable connect.
+    let Some(mut up) = upstream else {
+        s.reset();
+        return;
+    };
     tracing::debug!(%dst, ?name, to = ?up.peer_addr().ok(), "egress connection");
     let _ = up.set_nodelay(true);
     if !first.is_empty() && up.write_all(&first).await.is_err() {

@@ -17,8 +17,13 @@
 //!
 //! The policy sits behind a lock and can be replaced while the sandbox runs
 //! ([`Egress::update_policy`]); connections already open stay open.
+//!
+//! Each sandbox's forwarder runs on a thread of its own whose CPU counts against the sandbox's
+//! `--cpus` ([`cpu`]), and its queues and connections are bounded per sandbox ([`forward`]'s
+//! budgets), so what a sandbox makes its forwarder do stays within what the sandbox was given.
 
 pub mod audit;
+pub mod cpu;
 mod device;
 pub mod dns;
 mod forward;
@@ -26,6 +31,7 @@ pub mod guard;
 pub mod sniff;
 
 pub use audit::{AuditLog, Blocked};
+pub use cpu::CpuCharge;
 
 use cordon_spec::NetworkPolicy;
 use std::net::{IpAddr, SocketAddr};
@@ -41,6 +47,9 @@ pub enum NetError {
     /// The TUN descriptor could not be used.
     #[error("sandbox network device: {0}")]
     Device(std::io::Error),
+    /// The forwarder's thread or runtime could not be started.
+    #[error("cannot start the forwarder's thread: {0}")]
+    Thread(std::io::Error),
     /// An upstream given as text did not parse.
     #[error("DNS upstream '{0}' is not IP:PORT (or IP, meaning port 53)")]
     BadUpstream(String),
@@ -55,6 +64,8 @@ pub struct EgressConfig {
     pub dns_upstream: Option<SocketAddr>,
     /// MTU of the sandbox's interface.
     pub mtu: u16,
+    /// How the forwarder's own CPU is held to the sandbox's quota.
+    pub cpu: CpuCharge,
 }
 
 /// Parses an upstream resolver given as `IP`, `IP:PORT` or `[IPv6]:PORT`.
@@ -91,13 +102,17 @@ impl Shared {
 /// A running forwarder for one sandbox. Dropping it stops it (the sandbox loses its network).
 pub struct Egress {
     shared: Arc<Shared>,
-    task: tokio::task::JoinHandle<()>,
+    /// Ends the forwarder's runtime (every flow with it) when sent or dropped.
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// The forwarder's thread in the sandbox's CPU group, when it joined one.
+    charged: Option<cordon_host::ChargedThread>,
+    tid: libc::pid_t,
 }
 
 impl Egress {
-    /// Starts serving `tun` on the current tokio runtime (it must have I/O and time enabled).
+    /// Starts serving `tun` on a thread of its own, charged as `cfg.cpu` says.
     pub fn start(tun: OwnedFd, policy: NetworkPolicy, cfg: EgressConfig) -> Result<Egress, NetError> {
-        let device = device::TunDevice::new(tun).map_err(NetError::Device)?;
         let shared = Arc::new(Shared {
             policy: RwLock::new(Arc::new(policy)),
             audit: AuditLog::default(),
@@ -107,8 +122,63 @@ impl Egress {
             udp_flows: Arc::new(tokio::sync::Semaphore::new(forward::MAX_UDP_FLOWS)),
             dns_inflight: Arc::new(tokio::sync::Semaphore::new(forward::MAX_DNS_INFLIGHT)),
         });
-        let task = tokio::spawn(forward::serve(device, cfg.mtu, shared.clone()));
-        Ok(Egress { shared, task })
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready) = std::sync::mpsc::channel();
+        let (mtu, cpu, s) = (cfg.mtu, cfg.cpu, shared.clone());
+        let thread = std::thread::Builder::new()
+            .name("cordon-egress".into())
+            .spawn(move || {
+                // SAFETY: gettid has no preconditions.
+                let tid = unsafe { libc::gettid() };
+                let charged = cpu.group.and_then(|g| {
+                    g.join_current_thread()
+                        .map_err(|e| tracing::warn!("the forwarder cannot join the sandbox's CPU group ({e}); it keeps to a budget of its own"))
+                        .ok()
+                });
+                let budget = charged.is_none().then_some(cpu.cpus);
+                let started = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(NetError::Thread)
+                    .and_then(|rt| {
+                        let device = rt.block_on(async { device::TunDevice::new(tun) }).map_err(NetError::Device)?;
+                        Ok((rt, device))
+                    });
+                let (rt, device) = match started {
+                    Ok(x) => x,
+                    Err(e) => {
+                        if let Some(c) = &charged {
+                            let _ = c.release();
+                        }
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok((tid, charged)));
+                rt.block_on(async move {
+                    if let Some(cpus) = budget {
+                        tokio::spawn(cpu::enforce(cpus));
+                    }
+                    tokio::select! {
+                        () = forward::serve(device, mtu, s) => {}
+                        _ = stopped => {}
+                    }
+                });
+                // Dropping the runtime drops every flow's task with it.
+            })
+            .map_err(NetError::Thread)?;
+        let (tid, charged) = match ready.recv() {
+            Ok(Ok(x)) => x,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(NetError::Thread(std::io::Error::other("the forwarder's thread ended at start")));
+            }
+        };
+        Ok(Egress { shared, stop: Some(stop), thread: Some(thread), charged, tid })
     }
 
     /// Replaces the policy; new connections and DNS queries follow it at once.
@@ -124,10 +194,31 @@ impl Egress {
     pub fn blocked(&self) -> Vec<Blocked> {
         self.shared.audit.snapshot()
     }
+
+    /// The forwarder's host thread (its CPU is the forwarder's CPU).
+    pub fn thread_id(&self) -> libc::pid_t {
+        self.tid
+    }
+
+    /// Whether the forwarder's thread runs in the sandbox's CPU group.
+    pub fn charged_to_group(&self) -> bool {
+        self.charged.is_some()
+    }
 }
 
 impl Drop for Egress {
     fn drop(&mut self) {
-        self.task.abort();
+        // Out of the sandbox's group first: the sandbox's processes may be using all of its
+        // quota, and the thread should not wait for them to wind down; the group can then be
+        // removed whenever the sandbox is.
+        if let Some(c) = self.charged.take() {
+            if let Err(e) = c.release() {
+                tracing::warn!("the forwarder's thread stays in the sandbox's CPU group: {e}");
+            }
+        }
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }

@@ -3,7 +3,8 @@
 use std::net::IpAddr;
 use std::os::fd::OwnedFd;
 
-use cordon_spec::NetworkPolicy;
+use cordon_host::Cgroup;
+use cordon_spec::{Limits, NetworkPolicy};
 
 use crate::{Blocked, Error};
 
@@ -12,21 +13,22 @@ use crate::{Blocked, Error};
 pub struct Egress(Option<cordon_net::Egress>);
 
 impl Egress {
-    /// Serves a new sandbox's TUN device (if it has one) on the caller's tokio runtime (the
-    /// server's, or `run`'s). `gateways` are the sandbox's gateway addresses, where DNS is
-    /// answered.
+    /// Serves a new sandbox's TUN device (if it has one) on a forwarder thread of its own,
+    /// whose CPU counts against `limits.cpus`: in the sandbox's `cgroup` where that can take a
+    /// host thread (v1), on a budget of its own otherwise. `gateways` are the sandbox's
+    /// gateway addresses, where DNS is answered.
     pub fn start(
         tun: Option<OwnedFd>,
         policy: &NetworkPolicy,
         gateways: Vec<IpAddr>,
         mtu: u16,
         dns_upstream: Option<std::net::SocketAddr>,
+        cgroup: &Cgroup,
+        limits: &Limits,
     ) -> Result<Egress, Error> {
         let Some(tun) = tun else { return Ok(Egress(None)) };
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(Error::failed("start the sandbox's egress forwarder", "it needs a tokio runtime"));
-        }
-        let cfg = cordon_net::EgressConfig { gateways, dns_upstream, mtu };
+        let cpu = cordon_net::CpuCharge { cpus: limits.cpus, group: cgroup.thread_charge() };
+        let cfg = cordon_net::EgressConfig { gateways, dns_upstream, mtu, cpu };
         cordon_net::Egress::start(tun, policy.clone(), cfg)
             .map(|e| Egress(Some(e)))
             .map_err(|e| Error::failed("start the sandbox's egress forwarder", e))

@@ -36,8 +36,10 @@ pub trait HostSandbox: Send {
 
 /// A tier's handle with its forwarder and its image's start command.
 pub struct HostBacked<S> {
-    pub sandbox: S,
+    /// Declared before `sandbox`, so it is dropped first on every path: the forwarder's
+    /// thread leaves the sandbox's CPU group before the tier removes that group.
     pub egress: Egress,
+    pub sandbox: S,
     pub start: Option<cordon_image::StartCommand>,
 }
 

@@ -15,6 +15,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::{json_response, ApiError};
+use crate::network::NetworkDefault;
 use crate::registry::{LiveSandbox, NewSandbox, MAX_TIMEOUT_SECS};
 use crate::{auth, query, App, Body};
 
@@ -115,8 +116,8 @@ struct CreateBody {
     #[serde(rename = "diskSizeMB")]
     disk_mb: Option<u64>,
     tier: Option<String>,
-    /// Old SDKs always send `true`; cordon's default is closed either way, and only `network`
-    /// rules open it. `false` keeps it closed even when rules are given.
+    /// Old SDKs always send `true`. `false` keeps the sandbox closed even when rules are given;
+    /// otherwise the server's network default decides what no rules mean (see `network`).
     allow_internet_access: Option<bool>,
     network: Option<NetworkBody>,
 }
@@ -133,12 +134,18 @@ struct NetworkBody {
     allow_public_traffic: Option<bool>,
     #[serde(rename = "maskRequestHost", default)]
     mask_request_host: Option<String>,
+    /// In `PUT /sandboxes/{id}/network`'s body: `false` closes everything.
+    #[serde(default)]
+    allow_internet_access: Option<bool>,
 }
 
 impl NetworkBody {
-    fn policy(&self) -> Result<cordon_spec::NetworkPolicy, ApiError> {
-        cordon_spec::NetworkPolicy::parse(&self.allow_out, &self.deny_out)
-            .map_err(|e| ApiError::bad_request(format!("network: {}", e.reason)))
+    fn policy(&self, default: NetworkDefault, internet: Option<bool>) -> Result<cordon_spec::NetworkPolicy, ApiError> {
+        default.policy(&self.allow_out, &self.deny_out, internet).map_err(|e| ApiError::bad_request(format!("network: {}", e.reason)))
+    }
+
+    fn names_rules(&self) -> bool {
+        !self.allow_out.is_empty() || !self.deny_out.is_empty()
     }
 }
 
@@ -187,11 +194,16 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
     let env_vars = b.env_vars.unwrap_or_default();
     cordon_spec::validate_env_vars(env_vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .map_err(|e| ApiError::bad_request(format!("envVars: {}", e.reason)))?;
-    let network = match (b.allow_internet_access, &b.network) {
-        (Some(false), _) | (_, None) => cordon_spec::NetworkPolicy::default(),
-        (_, Some(n)) => n.policy()?,
-    };
-    app.sandboxes.check_network(tier, &network).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let body = b.network.as_ref();
+    let mut network = body.unwrap_or(&NetworkBody::default()).policy(app.network_default, b.allow_internet_access)?;
+    if let Err(e) = app.sandboxes.check_network(tier, &network) {
+        // A tier without egress (vm) under the open default, asked for no rules, is closed:
+        // refusing every plain create there would make the tier unusable.
+        if body.is_some_and(NetworkBody::names_rules) || !app.network_default.is_open() {
+            return Err(ApiError::bad_request(e.to_string()));
+        }
+        network = cordon_spec::NetworkPolicy::default();
+    }
     let traffic = match &b.network {
         Some(n) => crate::traffic::Traffic::new(n.allow_public_traffic, n.mask_request_host.clone())?,
         None => Default::default(),
@@ -211,15 +223,16 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             traffic,
         })
         .await?;
-    Ok(json_response(StatusCode::CREATED, &sandbox_json(&entry)))
+    Ok(json_response(StatusCode::CREATED, &sandbox_json(&entry, app.domain.as_deref())))
 }
 
 pub(crate) fn iso(t: SystemTime) -> String {
     Timestamp::from_system_time(t).to_rfc3339()
 }
 
-/// The `Sandbox` model (create/connect answers).
-pub fn sandbox_json(e: &LiveSandbox) -> Value {
+/// The `Sandbox` model (create/connect answers). `domain`: the server's `--domain`, from which
+/// the SDKs build `<port>-<id>.<domain>` URLs (with none they fall back to E2B's own domain).
+pub fn sandbox_json(e: &LiveSandbox, domain: Option<&str>) -> Value {
     json!({
         "templateID": e.template,
         "sandboxID": e.id,
@@ -228,12 +241,12 @@ pub fn sandbox_json(e: &LiveSandbox) -> Value {
         "envdVersion": e.envd_version,
         "envdAccessToken": e.token,
         "trafficAccessToken": e.traffic_token,
-        "domain": null,
+        "domain": domain,
     })
 }
 
 /// `SandboxDetail` / `ListedSandbox`.
-pub fn detail_json(e: &LiveSandbox) -> Value {
+pub fn detail_json(e: &LiveSandbox, domain: Option<&str>) -> Value {
     let network = e.network();
     json!({
         "templateID": e.template,
@@ -249,11 +262,12 @@ pub fn detail_json(e: &LiveSandbox) -> Value {
         "diskSizeMB": e.disk_mb,
         "state": "running",
         "metadata": e.metadata,
-        "domain": null,
+        "domain": domain,
         "lifecycle": {"autoResume": false, "onTimeout": "kill"},
-        // The policy in force, in cordon's rule forms: with cordon's closed default an empty
-        // allowOut means no network at all, whatever denyOut says.
+        // The policy in force, in cordon's rule forms: an empty allowOut means no network at
+        // all, whatever denyOut says; the open default shows as 0.0.0.0/0 and ::/0.
         "network": {
+            "default": if network.resolve_unlisted { "open" } else { "closed" },
             "allowOut": network.allow.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "denyOut": network.deny.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "allowPublicTraffic": e.traffic.public,
@@ -268,7 +282,7 @@ fn not_found(id: &str) -> ApiError {
 
 fn detail(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
     let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
-    Ok(json_response(StatusCode::OK, &detail_json(&e)))
+    Ok(json_response(StatusCode::OK, &detail_json(&e, app.domain.as_deref())))
 }
 
 async fn kill(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
@@ -309,7 +323,7 @@ async fn connect(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Res
     };
     // The SDK's message for a 404 here speaks of a paused sandbox; ours says what happened.
     let e = e.ok_or_else(|| not_found(id))?;
-    Ok(json_response(StatusCode::OK, &sandbox_json(&e)))
+    Ok(json_response(StatusCode::OK, &sandbox_json(&e, app.domain.as_deref())))
 }
 
 /// E2B's metrics: the samples inside `start..=end` (unix seconds, both optional), oldest first;
@@ -340,12 +354,13 @@ fn audit(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
     ))
 }
 
-/// E2B's `update_network`: the new rules replace the old for new connections. A sandbox
+/// E2B's `update_network`: the new rules replace the old for new connections (an empty body
+/// is the server's default again: open or closed). A sandbox
 /// created without network rules has no interface to open, so it is refused rather than
 /// pretending.
 async fn update_network(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     let b: NetworkBody = read_json(req, true).await?;
-    let policy = b.policy()?;
+    let policy = b.policy(app.network_default, b.allow_internet_access)?;
     let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
     e.set_network(policy).map_err(|m| ApiError::new(StatusCode::CONFLICT, m.to_string()).no_retry())?;
     Ok(empty(StatusCode::NO_CONTENT))
@@ -435,7 +450,7 @@ fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
     }
     let more = items.len() > limit;
     items.truncate(limit);
-    let body: Vec<Value> = items.iter().map(|e| detail_json(e)).collect();
+    let body: Vec<Value> = items.iter().map(|e| detail_json(e, app.domain.as_deref())).collect();
     let mut r = json_response(StatusCode::OK, &Value::Array(body));
     if more {
         if let Some(last) = items.last() {

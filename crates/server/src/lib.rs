@@ -17,12 +17,14 @@ pub mod auth;
 pub mod error;
 pub mod lifecycle;
 pub mod metrics;
+pub mod network;
 pub mod port_token;
 pub mod proxy;
 pub mod query;
 pub mod registry;
 pub mod routes;
 pub mod start_command;
+pub mod tls;
 pub mod traffic;
 
 use std::convert::Infallible;
@@ -65,6 +67,13 @@ pub struct App {
     pub sandboxes: Arc<Sandboxes>,
     /// The image store: the templates sandboxes are made from.
     pub images: cordon_image::Store,
+    /// What a create's network fields mean (`--network-default`).
+    pub network_default: network::NetworkDefault,
+    /// The sandboxes' domain (`--domain`), returned on create and connect, so that the SDKs'
+    /// `get_host()` URLs (`<port>-<id>.<domain>`) point here.
+    pub domain: Option<String>,
+    /// TLS on the listener, when configured (see [`tls`]).
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 impl App {
@@ -90,6 +99,22 @@ impl App {
 }
 
 /// Serves `listener` until `shutdown` resolves, then destroys every sandbox.
+/// How long a client has to finish its TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// HTTP/1.1 (with upgrades, for websockets) on one accepted connection, plain or TLS.
+async fn serve_connection<I>(io: I, app: Arc<App>)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = service_fn(move |req| {
+        let app = app.clone();
+        async move { Ok::<_, Infallible>(app.handle(req).await) }
+    });
+    // A client hanging up mid-stream only ends its own connection.
+    let _ = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(io), service).with_upgrades().await;
+}
+
 pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
     let sweeper = tokio::spawn(lifecycle::sweep(app.sandboxes.clone()));
     tokio::pin!(shutdown);
@@ -113,16 +138,15 @@ pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<O
         let _ = stream.set_nodelay(true);
         let app = app.clone();
         tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let app = app.clone();
-                async move { Ok::<_, Infallible>(app.handle(req).await) }
-            });
-            // A client hanging up mid-stream only ends its own connection.
-            let _ = http1::Builder::new()
-                .keep_alive(true)
-                .serve_connection(TokioIo::new(stream), service)
-                .with_upgrades()
-                .await;
+            match app.tls.clone() {
+                None => serve_connection(stream, app).await,
+                // A handshake that does not finish in time only costs its own task.
+                Some(tls) => {
+                    if let Ok(Ok(s)) = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+                        serve_connection(s, app).await;
+                    }
+                }
+            }
         });
     }
     sweeper.abort();

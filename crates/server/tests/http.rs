@@ -161,6 +161,10 @@ impl Drop for TempDir {
 }
 
 async fn start(max: usize) -> Server {
+    start_with(max, Default::default()).await
+}
+
+async fn start_with(max: usize, network_default: cordon_server::network::NetworkDefault) -> Server {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "cordon-server-test-{}-{}",
@@ -172,7 +176,7 @@ async fn start(max: usize) -> Server {
     let backend = Arc::new(InProcess { dir: dir.clone() });
     let sandboxes = Sandboxes::new(backend, max, "0.6.13".into());
     let images = cordon_image::Store::open(&dir).unwrap();
-    let app = Arc::new(App { api_key: KEY.into(), sandboxes, images });
+    let app = Arc::new(App { api_key: KEY.into(), sandboxes, images, network_default, domain: None, tls: None });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(cordon_server::serve(listener, app, std::future::pending()));
@@ -661,4 +665,37 @@ async fn metrics_answer_a_time_range() {
     for bad in ["?start=yesterday", "?end=1.5", &format!("?start={}&end={}", now, now - 10)] {
         assert_error(&get(bad.to_string()).await, StatusCode::BAD_REQUEST);
     }
+}
+
+/// `--network-default open`: what each of E2B's network shapes gives, as the sandbox's detail
+/// reports it (the forwarder's side of the same policies is driven in crates/cli/tests/egress.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_open_network_default_gives_e2bs_semantics_and_reports_them() {
+    let open = start_with(8, cordon_server::network::NetworkDefault::Open).await;
+    let closed = start(8).await;
+    let network = |addr: SocketAddr, body: Value| async move {
+        let (id, _) = create(addr, body).await;
+        let d = api(addr, Method::GET, &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(d.status, StatusCode::OK);
+        let n = d.json()["network"].clone();
+        let list = |k: &str| n[k].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect::<Vec<_>>();
+        (n["default"].as_str().unwrap().to_string(), list("allowOut"), list("denyOut"))
+    };
+    let all = ["0.0.0.0/0".to_string(), "::/0".to_string()];
+    // No rules: the internet.
+    let (mode, allow, deny) = network(open.addr, json!({"templateID": "base"})).await;
+    assert_eq!((mode.as_str(), &allow[..], deny.len()), ("open", &all[..], 0));
+    // denyOut alone: a blocklist.
+    let (_, allow, deny) = network(open.addr, json!({"templateID": "base", "network": {"denyOut": ["203.0.113.0/24"]}})).await;
+    assert_eq!((&allow[..], &deny[..]), (&all[..], &["203.0.113.0/24".to_string()][..]));
+    // E2B's allowlist idiom: all traffic denied (IPv6 too), the allowOut entries through.
+    let (_, allow, deny) = network(open.addr, json!({"templateID": "base", "network": {"allowOut": ["203.0.113.7"], "denyOut": ["0.0.0.0/0"]}})).await;
+    assert!(allow.contains(&"203.0.113.7/32".to_string()), "{allow:?}");
+    assert_eq!(deny, all, "{deny:?}");
+    // allow_internet_access false: closed.
+    let (mode, allow, _) = network(open.addr, json!({"templateID": "base", "allow_internet_access": false})).await;
+    assert_eq!((mode.as_str(), allow.len()), ("closed", 0));
+    // The closed default: no rules, or deny rules alone, are no network.
+    let (mode, allow, _) = network(closed.addr, json!({"templateID": "base", "network": {"denyOut": ["203.0.113.0/24"]}})).await;
+    assert_eq!((mode.as_str(), allow.len()), ("closed", 0));
 }

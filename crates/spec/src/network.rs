@@ -264,6 +264,11 @@ pub struct NetworkPolicy {
     pub allow: Vec<NetRule>,
     #[serde(default, with = "rules_as_strings")]
     pub deny: Vec<NetRule>,
+    /// Names no rule mentions are resolved too, and a connection to one is judged by its
+    /// address alone: E2B's "open unless restricted", where address rules are the policy and
+    /// name rules only add to it. Off (cordon's own semantics): such names are NXDOMAIN.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub resolve_unlisted: bool,
 }
 
 mod rules_as_strings {
@@ -286,6 +291,7 @@ impl NetworkPolicy {
         Ok(NetworkPolicy {
             allow: allow.iter().map(|r| r.as_ref().parse()).collect::<Result<_, _>>()?,
             deny: deny.iter().map(|r| r.as_ref().parse()).collect::<Result<_, _>>()?,
+            resolve_unlisted: false,
         })
     }
 
@@ -301,6 +307,15 @@ impl NetworkPolicy {
             (_, Some(d)) => Verdict::Deny(d),
             (Some(a), None) => Verdict::Allow(a),
             (None, None) => Verdict::NoRule,
+        }
+    }
+
+    /// Whether the forwarder answers DNS for `name` at all: an allowing rule, or no rule under
+    /// [`NetworkPolicy::resolve_unlisted`] (the connection is then judged by address).
+    pub fn answers_dns_for(&self, name: &str) -> Verdict {
+        match self.name_resolvable(name) {
+            Verdict::NoRule if self.resolve_unlisted => Verdict::Allow(NetRule { target: Target::AnyName, ports: None }),
+            v => v,
         }
     }
 

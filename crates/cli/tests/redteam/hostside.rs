@@ -68,7 +68,12 @@ print("done", calls, bad, ru.ru_utime + ru.ru_stime + rc.ru_utime + rc.ru_stime,
 fn rss(pid: u32) -> (u64, u64) {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kb = |key: &str| -> u64 {
-        s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).unwrap() * 1024
+        let state = s.lines().find(|l| l.starts_with("State:")).unwrap_or("State: gone");
+        s.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("cordon (pid {pid}) has no {key} any more: it ended early ({state})"))
+            * 1024
     };
     (kb("VmRSS:"), kb("VmHWM:"))
 }
@@ -393,23 +398,31 @@ crate::per_tier!(
     connections_to_a_host_that_never_reads_hold_bounded_forwarder_memory,
     a_dns_flood_with_a_silent_upstream_holds_bounded_forwarder_memory,
     a_udp_flood_at_blocked_ports_stays_off_the_operators_terminal_and_within_budget,
+    the_forwarders_cpu_for_a_sandbox_counts_against_its_cpus,
 );
 
 /// Growth of cordon's peak RSS over its baseline that an egress flood may cause.
 const NET_RSS_ALLOWANCE: u64 = 16 << 20;
 
-/// A helper process in the test internet's namespace, killed when dropped.
-struct InNet(std::process::Child);
+/// A helper process in the test internet's namespace, killed when dropped. The helpers listen
+/// on fixed ports and the floods that use them measure cordon's CPU, so one runs at a time.
+struct InNet {
+    child: std::process::Child,
+    _alone: std::sync::MutexGuard<'static, ()>,
+}
+
+static ONE_HELPER: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Drop for InNet {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
 /// Runs a python script inside the test internet and waits for its first stdout line.
 fn in_net(script: &str) -> InNet {
+    let alone = ONE_HELPER.lock().unwrap_or_else(|e| e.into_inner());
     let ns = &testnet::internet().ns;
     let mut c = std::process::Command::new("ip")
         .args(["netns", "exec", ns, "python3", "-c", script])
@@ -421,7 +434,7 @@ fn in_net(script: &str) -> InNet {
     let mut line = String::new();
     BufReader::new(c.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "listening", "helper in the test internet did not start");
-    InNet(c)
+    InNet { child: c, _alone: alone }
 }
 
 /// A TCP server on OTHER_V4:9001 that accepts and never reads.
@@ -433,6 +446,19 @@ print('listening', flush=True)
 held = []
 while True:
     c, _ = s.accept(); held.append(c)
+"#;
+
+/// A TCP server on OTHER_V4:9002 that reads and discards everything, as fast as it can.
+const DRAIN: &str = r#"
+import socket, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('198.51.100.11', 9002)); s.listen(64)
+print('listening', flush=True)
+def drain(c):
+    while c.recv(1 << 20):
+        pass
+while True:
+    c, _ = s.accept(); threading.Thread(target=drain, args=(c,), daemon=True).start()
 "#;
 
 /// A DNS "server" on OTHER_V4:5300 that takes every datagram and never answers.
@@ -507,8 +533,9 @@ const UDP_FLOOD: &str = r#"def run(k):
 const STDERR_ALLOWANCE: usize = 4;
 
 /// Runs `script` in a sandbox with `flags` and measures what its flood cost `cordon run`: its
-/// RSS, and what reached the operator's terminal (cordon's stderr).
-fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) -> Cost {
+/// RSS, and what reached the operator's terminal (cordon's stderr). Returns the cost and the
+/// run's JSON record.
+fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) -> (Cost, Value) {
     ensure_base();
     let _shared = testnet::QUIET.read().unwrap_or_else(|e| e.into_inner());
     let mut all = tier.flags(&["--json", "--timeout", "60s", "--memory", "64M"]);
@@ -560,7 +587,7 @@ fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) -> Cost {
     );
     let rec: Value = serde_json::from_str(rest.last().expect("no JSON record")).unwrap();
     assert_clean(rec["sandbox_id"].as_str().unwrap());
-    cost
+    (cost, rec)
 }
 
 fn connections_to_a_host_that_never_reads_hold_bounded_forwarder_memory(tier: Tier) {
@@ -581,5 +608,33 @@ fn a_dns_flood_with_a_silent_upstream_holds_bounded_forwarder_memory(tier: Tier)
 fn a_udp_flood_at_blocked_ports_stays_off_the_operators_terminal_and_within_budget(tier: Tier) {
     let what = "a UDP flood at blocked ports";
     egress_flood(tier, &["--dns-upstream", testnet::DNS, "--cpus", "0.05", "--allow-net", "198.51.100.11:9001"], &eight_threads(UDP_FLOOD), what)
+        .0
         .check_cpu(&format!("{what} ({})", tier.as_str()));
+}
+
+/// The CPU quota of the sandbox in the test below.
+const CHARGED_CPUS: f64 = 0.1;
+
+/// Eight connections pushing to a destination that reads everything: each segment costs the
+/// forwarder's user-space stack more than it costs the sandbox to send it (measured: cordon
+/// spent more CPU than the sandbox did), so a forwarder outside the sandbox's caps gave it
+/// more than `--cpus`. Its CPU must count against them: what the sandbox's processes spent on
+/// the host (its cgroup's count for the whole run, startup included) and what cordon spent
+/// over the flood stay together within the quota over the flood's wall time (a quarter over
+/// it, and a quarter of a second, allowed for the scheduler's accounting periods).
+fn the_forwarders_cpu_for_a_sandbox_counts_against_its_cpus(tier: Tier) {
+    let _drain = in_net(DRAIN);
+    let what = "8 connections pushing to a destination that reads everything";
+    let cpus = CHARGED_CPUS.to_string();
+    let script = eight_threads(&PUSH.replace("9001", "9002"));
+    let (cost, rec) = egress_flood(tier, &["--dns-upstream", testnet::DNS, "--cpus", &cpus, "--allow-net", "198.51.100.11:9002"], &script, what);
+    let sandbox = rec["cpu_time_ms"].as_f64().expect("the record has the sandbox's CPU time") / 1000.0;
+    let quota = CHARGED_CPUS * cost.wall;
+    assert!(
+        cost.cpu + sandbox <= quota * 1.25 + 0.25,
+        "{what} ({}): the sandbox spent {sandbox:.2}s and cordon {:.2}s of CPU in {:.1}s under --cpus {cpus} (quota {quota:.2}s): {cost:?}",
+        tier.as_str(),
+        cost.cpu,
+        cost.wall
+    );
 }

@@ -438,11 +438,13 @@ impl Drop for IpStackTcpStream {
         log::trace!("{nt} {state:?}: [drop] session dropping, ========================= ");
         if let Some(task_handle) = self.task_handle.take() {
             if !task_handle.is_finished() {
+                // cordon: tell the session's task to end and let it finish on its own. Upstream
+                // waited for it here with `block_in_place`, which panics on a current-thread
+                // runtime (each sandbox's forwarder has one) and blocks a worker on the others.
                 if let Some(notifier) = self.exit_notifier.take() {
-                    _ = tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(notifier.send(())));
+                    _ = notifier.try_send(());
                 }
-                // synchronously wait for the task to finish
-                _ = tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(task_handle));
+                drop(task_handle);
             } else {
                 log::trace!("{nt} {state:?}: [drop] task already finished, no need to wait exiting");
             }
@@ -453,6 +455,21 @@ impl Drop for IpStackTcpStream {
 }
 
 impl IpStackTcpStream {
+    /// cordon: refuses the connection at once: a RST toward the sandbox (answering the SYN
+    /// itself when the session's task has not answered it yet, so the sandbox's connect fails
+    /// with ECONNREFUSED; ECONNRESET once it has) and the session closed. Dropping the stream
+    /// instead left the sandbox's side open until its own timeout.
+    pub fn reset(&mut self) {
+        let nt = self.network_tuple();
+        let mut tcb = self.tcb.lock().unwrap();
+        if tcb.get_state() == TcpState::Listen {
+            // The SYN is not acknowledged yet: the RST must acknowledge it to be taken.
+            tcb.increase_ack();
+        }
+        _ = write_packet_to_device(&self.up_packet_sender, nt, &tcb, None, ACK | RST, None, None);
+        tcb.change_state(TcpState::Closed);
+    }
+
     /// cordon: `n` bytes reached the reader. When that reopens a window that had shrunk below
     /// half the buffer, tell the peer at once (its kernel otherwise waits for its next probe).
     fn consumed(&self, n: usize) {

@@ -2,7 +2,7 @@ use crate::{
     IpStackError, PacketReceiver, PacketSender, TTL,
     packet::{IpHeader, NetworkPacket, TransportHeader},
 };
-use etherparse::{IpNumber, Ipv4Header, Ipv6FlowLabel, Ipv6Header, UdpHeader};
+use etherparse::{Icmpv4Header, Icmpv4Type, Icmpv6Header, Icmpv6Type, IpNumber, Ipv4Header, Ipv6FlowLabel, Ipv6Header, UdpHeader, icmpv4, icmpv6};
 use std::{future::Future, net::SocketAddr, pin::Pin, time::Duration};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
@@ -74,6 +74,58 @@ impl IpStackUdpStream {
             mtu,
             destroy_messenger,
         }
+    }
+
+    /// cordon: tells the sandbox at once that this flow is refused: an ICMP "destination
+    /// unreachable, administratively prohibited" (v4 type 3 code 13, v6 type 1 code 1) from
+    /// the destination, quoting the datagram's headers, so a connected socket's next call
+    /// fails (EHOSTUNREACH) instead of waiting for an answer that will never come.
+    pub fn reject(&self) -> std::io::Result<()> {
+        let len = 8 + self.first_payload.as_ref().map_or(0, Vec::len);
+        let udp = UdpHeader { source_port: self.src_addr.port(), destination_port: self.dst_addr.port(), length: len as u16, checksum: 0 };
+        let packet = match (self.src_addr.ip(), self.dst_addr.ip()) {
+            (std::net::IpAddr::V4(src), std::net::IpAddr::V4(dst)) => {
+                // The quote: the original IP header and the first 8 bytes after it (RFC 792).
+                let orig = Ipv4Header::new(len as u16, TTL, IpNumber::UDP, src.octets(), dst.octets()).map_err(IpStackError::from)?;
+                let mut quote = orig.to_bytes().to_vec();
+                quote.extend_from_slice(&udp.to_bytes());
+                let t = Icmpv4Type::DestinationUnreachable(icmpv4::DestUnreachableHeader::FilterProhibited);
+                let mut payload = Icmpv4Header::with_checksum(t, &quote).to_bytes().to_vec();
+                payload.extend_from_slice(&quote);
+                let mut ip = Ipv4Header::new(0, TTL, IpNumber::ICMP, dst.octets(), src.octets()).map_err(IpStackError::from)?;
+                ip.set_payload_len(payload.len()).map_err(IpStackError::from)?;
+                NetworkPacket { ip: IpHeader::Ipv4(ip), transport: TransportHeader::Unknown, payload: Some(payload) }
+            }
+            (std::net::IpAddr::V6(src), std::net::IpAddr::V6(dst)) => {
+                let orig = Ipv6Header {
+                    traffic_class: 0,
+                    flow_label: Ipv6FlowLabel::ZERO,
+                    payload_length: len as u16,
+                    next_header: IpNumber::UDP,
+                    hop_limit: TTL,
+                    source: src.octets(),
+                    destination: dst.octets(),
+                };
+                let mut quote = orig.to_bytes().to_vec();
+                quote.extend_from_slice(&udp.to_bytes());
+                let t = Icmpv6Type::DestinationUnreachable(icmpv6::DestUnreachableCode::Prohibited);
+                let h = Icmpv6Header::with_checksum(t, dst.octets(), src.octets(), &quote).map_err(|e| std::io::Error::other(e.to_string()))?;
+                let mut payload = h.to_bytes().to_vec();
+                payload.extend_from_slice(&quote);
+                let ip = Ipv6Header {
+                    traffic_class: 0,
+                    flow_label: Ipv6FlowLabel::ZERO,
+                    payload_length: payload.len() as u16,
+                    next_header: IpNumber::IPV6_ICMP,
+                    hop_limit: TTL,
+                    source: dst.octets(),
+                    destination: src.octets(),
+                };
+                NetworkPacket { ip: IpHeader::Ipv6(ip), transport: TransportHeader::Unknown, payload: Some(payload) }
+            }
+            _ => return Err(std::io::Error::other("mixed address families")),
+        };
+        self.up_pkt_sender.send(packet).map_err(|e| std::io::Error::other(format!("send error: {e}")))
     }
 
     pub(crate) fn stream_sender(&self) -> PacketSender {
