@@ -2,7 +2,7 @@
 
 import httpx
 import pytest
-from e2b import FileNotFoundException, FileType
+from e2b import FileNotFoundException, FileType, SandboxException
 
 
 def test_write_read_text_and_bytes(shared, unique):
@@ -21,6 +21,17 @@ def test_write_read_text_and_bytes(shared, unique):
 def test_read_missing_raises(shared):
     with pytest.raises(FileNotFoundException):
         shared.files.read("/nope/missing.txt")
+
+
+@pytest.mark.parametrize("size", [10, 1 << 20, 16 << 20])
+def test_a_refused_upload_of_any_size_says_why(shared, size):
+    # The agent refuses before it has read the body; it must still read it, or the client's
+    # write breaks and the SDK reports an unreachable sandbox instead of the refusal.
+    with pytest.raises(SandboxException) as e:
+        shared.files.write("/root/not-yours.bin", b"x" * size)
+    assert "403" in str(e.value) and "Permission denied" in str(e.value), e.value
+    # The sandbox and the connection to it are fine afterwards.
+    assert shared.files.write("/tmp/after-refusal.bin", b"y" * size).path == "/tmp/after-refusal.bin"
 
 
 def test_list_exists_info(shared, unique):

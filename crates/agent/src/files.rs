@@ -45,7 +45,7 @@ fn error(status: StatusCode, message: impl Into<String>) -> FilesErr {
 }
 
 /// The decoded query; a parameter given twice is refused (see [`FilesQuery::parse`]).
-fn query(req: &Request<Incoming>) -> FilesResult<FilesQuery> {
+fn query<B>(req: &Request<B>) -> FilesResult<FilesQuery> {
     FilesQuery::parse(req.uri().query()).map_err(|e| error(StatusCode::BAD_REQUEST, e.to_string()))
 }
 
@@ -183,15 +183,19 @@ async fn send_file(mut file: File, gzip: bool, tx: mpsc::Sender<Bytes>) {
     }
 }
 
+/// A request body that the upload reads and its caller can take back: what the upload left
+/// unread when it failed is drained before the error is answered.
+type SharedBody = Arc<std::sync::Mutex<Option<Incoming>>>;
+
 /// The request body as a stream of (decoded) data chunks.
 struct BodyStream {
-    body: Incoming,
+    body: SharedBody,
     gzip: Option<GzDecoder<Vec<u8>>>,
     done: bool,
 }
 
 impl BodyStream {
-    fn new(body: Incoming, gzip: bool) -> Self {
+    fn new(body: SharedBody, gzip: bool) -> Self {
         BodyStream { body, gzip: gzip.then(|| GzDecoder::new(Vec::new())), done: false }
     }
 
@@ -204,7 +208,11 @@ impl BodyStream {
             if self.done {
                 return Poll::Ready(None);
             }
-            match Pin::new(&mut self.body).poll_frame(cx) {
+            let polled = match self.body.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                Some(b) => Pin::new(b).poll_frame(cx),
+                None => Poll::Ready(None),
+            };
+            match polled {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Err(e))) => {
                     self.done = true;
@@ -359,13 +367,24 @@ fn metadata_headers(h: &HeaderMap) -> FilesResult<Vec<(String, String)>> {
 
 /// Serves `POST /files`.
 pub(crate) async fn upload(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
-    match upload_inner(&agent, req).await {
+    let (parts, body) = req.into_parts();
+    let body: SharedBody = Arc::new(std::sync::Mutex::new(Some(body)));
+    match upload_inner(&agent, Request::from_parts(parts, body.clone())).await {
         Ok(infos) => json(StatusCode::OK, &infos),
-        Err(e) => e.into_response(),
+        Err(e) => {
+            // Read what the client is still sending before answering: answering first and
+            // closing made the client's write fail, so a refused upload (a path the user may
+            // not write, say) reached the caller as a broken connection instead of this error.
+            let rest = body.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(mut rest) = rest {
+                while let Some(Ok(_)) = http_body_util::BodyExt::frame(&mut rest).await {}
+            }
+            e.into_response()
+        }
     }
 }
 
-async fn upload_inner(agent: &Agent, req: Request<Incoming>) -> FilesResult<Vec<WriteInfo>> {
+async fn upload_inner(agent: &Agent, req: Request<SharedBody>) -> FilesResult<Vec<WriteInfo>> {
     let q = query(&req)?;
     let user = user(agent, &q, req.headers())?;
     let metadata = metadata_headers(req.headers())?;
