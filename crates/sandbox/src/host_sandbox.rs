@@ -97,7 +97,10 @@ impl<S: HostSandbox> Sandbox for HostBacked<S> {
     }
 
     fn destroy(&mut self) -> Result<(), Error> {
-        // The forwarder goes first: nothing is dialled for a sandbox being torn down.
+        // The sandbox's processes go first, so nothing more is sent and its CPU quota is free
+        // for the forwarder's thread (charged to the same group) to wind down at once; then the
+        // forwarder, so nothing more is dialled; then the tier's own teardown.
+        self.sandbox.kill();
         self.egress.stop();
         self.sandbox.destroy().map_err(|e| Error::failed("teardown", e))
     }
