@@ -632,19 +632,6 @@ mod runtime_update {
         assert!(blocked.iter().any(|b| b.destination.contains(OTHER_V4)), "{blocked:?}");
     }
 
-    /// A TCP server in the test internet on OTHER_V4:9003 that reads and discards everything.
-    const DRAIN: &str = r#"
-import socket, threading
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(('198.51.100.11', 9003)); s.listen(16)
-print('listening', flush=True)
-def drain(c):
-    while c.recv(1 << 20):
-        pass
-while True:
-    c, _ = s.accept(); threading.Thread(target=drain, args=(c,), daemon=True).start()
-"#;
-
     /// Four connections from the namespace to the drain, sending as fast as they can for the
     /// seconds given; prints the bytes sent.
     const PUSH: &str = r#"
@@ -663,11 +650,7 @@ print(sum(sent))
 
     /// CPU seconds of one thread of this process.
     fn thread_cpu(tid: libc::pid_t) -> f64 {
-        let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
-        let f: Vec<&str> = s.rsplit_once(") ").unwrap().1.split_whitespace().collect();
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / hz
+        common::stat_cpu_seconds(&format!("/proc/self/task/{tid}/stat"))
     }
 
     /// Where no cgroup can take the forwarder's thread (cgroup v2), the forwarder holds itself
@@ -677,7 +660,7 @@ print(sum(sent))
     pub fn budget_check() {
         let inet = internet();
         let mut drain = Command::new("ip")
-            .args(["netns", "exec", &inet.ns, "python3", "-c", DRAIN])
+            .args(["netns", "exec", &inet.ns, "python3", "-c", &drain_server(9003)])
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();

@@ -274,10 +274,7 @@ impl Cgroup {
         if self.v2_limits {
             return None;
         }
-        let group = self.v1_dir("cpu")?.clone();
-        // `plan` puts every group at <mount>/cordon/<id>.
-        let mount = group.parent()?.parent()?.to_path_buf();
-        Some(ThreadCharge { group, mount })
+        Some(ThreadCharge { group: self.v1_dir("cpu")?.clone() })
     }
 
     fn v1_dir(&self, c: &str) -> Option<&PathBuf> {
@@ -313,51 +310,17 @@ impl Cgroup {
 #[derive(Debug, Clone)]
 pub struct ThreadCharge {
     group: PathBuf,
-    /// The hierarchy's mount point: the thread's own group is found under it.
-    mount: PathBuf,
 }
 
 impl ThreadCharge {
     /// Moves the calling thread (only it: v1 `tasks` takes a thread id) into the sandbox's
-    /// group. The result puts it back where it was.
-    pub fn join_current_thread(&self) -> io::Result<ChargedThread> {
+    /// group. It leaves the group by ending, which the sandbox's teardown waits for before it
+    /// removes the group.
+    pub fn join_current_thread(&self) -> io::Result<()> {
         // SAFETY: gettid has no preconditions.
         let tid = unsafe { libc::gettid() };
-        let home = own_v1_group(&fs::read_to_string("/proc/thread-self/cgroup")?, "cpu")
-            .map(|rel| self.mount.join(rel.trim_start_matches('/')))
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "this thread is in no v1 cpu group"))?;
-        write(&self.group.join("tasks"), &tid.to_string())?;
-        Ok(ChargedThread { tid, home })
+        write(&self.group.join("tasks"), &tid.to_string())
     }
-}
-
-/// A thread charged to a sandbox's group, with the group it came from.
-#[derive(Debug)]
-pub struct ChargedThread {
-    tid: libc::pid_t,
-    home: PathBuf,
-}
-
-impl ChargedThread {
-    /// Puts the thread back in its own group (from any thread): the sandbox's group can then
-    /// be removed, and the thread no longer waits for the sandbox's quota. A thread that has
-    /// ended already is not an error.
-    pub fn release(&self) -> io::Result<()> {
-        match fs::write(self.home.join("tasks"), self.tid.to_string()) {
-            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(()),
-            r => r,
-        }
-    }
-}
-
-/// The path of the caller's group in the v1 hierarchy that has `controller`, from the lines
-/// of a `/proc/<pid>/cgroup` (`ID:CONTROLLERS:PATH`, controllers comma-separated).
-fn own_v1_group<'a>(cgroup_file: &'a str, controller: &str) -> Option<&'a str> {
-    cgroup_file.lines().find_map(|l| {
-        let mut f = l.splitn(3, ':');
-        let (_, cs, path) = (f.next()?, f.next()?, f.next()?);
-        cs.split(',').any(|c| c == controller).then_some(path)
-    })
 }
 
 fn read_u64(p: &Path) -> Option<u64> {
@@ -512,20 +475,11 @@ mod tests {
     }
 
     #[test]
-    fn a_threads_own_v1_group_is_found_by_controller() {
-        let f = "12:pids:/a\n4:cpu,cpuacct:/system.slice/x.service\n0::/u\n";
-        assert_eq!(own_v1_group(f, "cpu"), Some("/system.slice/x.service"));
-        assert_eq!(own_v1_group(f, "cpuacct"), Some("/system.slice/x.service"));
-        assert_eq!(own_v1_group(f, "memory"), None);
-    }
-
-    #[test]
     fn only_a_v1_cpu_group_takes_a_thread() {
         let v1 = Layout { unified: None, v2_controllers: vec![], v1: vec![("cpu".into(), "/c/cpu".into())] };
         let c = Cgroup::plan(&v1, "sb");
         let t = c.thread_charge().expect("v1 cpu takes threads");
         assert_eq!(t.group, Path::new("/c/cpu/cordon/sb"));
-        assert_eq!(t.mount, Path::new("/c/cpu"));
         let v2 = Layout { unified: Some("/c".into()), v2_controllers: vec!["cpu".into()], v1: vec![] };
         assert!(Cgroup::plan(&v2, "sb").thread_charge().is_none());
     }

@@ -16,7 +16,7 @@ pub mod slots;
 pub mod sys;
 pub mod tun;
 
-pub use cgroup::{ChargedThread, Cgroup, Layout, ThreadCharge};
+pub use cgroup::{Cgroup, Layout, ThreadCharge};
 pub use ledger::Ledger;
 pub use slots::{Slot, Slots};
 

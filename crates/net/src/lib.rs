@@ -105,8 +105,8 @@ pub struct Egress {
     /// Ends the forwarder's runtime (every flow with it) when sent or dropped.
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
-    /// The forwarder's thread in the sandbox's CPU group, when it joined one.
-    charged: Option<cordon_host::ChargedThread>,
+    /// Whether the forwarder's thread joined the sandbox's CPU group.
+    charged: bool,
     tid: libc::pid_t,
 }
 
@@ -130,12 +130,12 @@ impl Egress {
             .spawn(move || {
                 // SAFETY: gettid has no preconditions.
                 let tid = unsafe { libc::gettid() };
-                let charged = cpu.group.and_then(|g| {
+                let charged = cpu.group.is_some_and(|g| {
                     g.join_current_thread()
                         .map_err(|e| tracing::warn!("the forwarder cannot join the sandbox's CPU group ({e}); it keeps to a budget of its own"))
-                        .ok()
+                        .is_ok()
                 });
-                let budget = charged.is_none().then_some(cpu.cpus);
+                let budget = (!charged).then_some(cpu.cpus);
                 let started = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
@@ -146,10 +146,8 @@ impl Egress {
                     });
                 let (rt, device) = match started {
                     Ok(x) => x,
+                    // The thread ends here, which takes it out of the group again.
                     Err(e) => {
-                        if let Some(c) = &charged {
-                            let _ = c.release();
-                        }
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
@@ -202,17 +200,16 @@ impl Egress {
 
     /// Whether the forwarder's thread runs in the sandbox's CPU group.
     pub fn charged_to_group(&self) -> bool {
-        self.charged.is_some()
+        self.charged
     }
 }
 
 impl Drop for Egress {
     fn drop(&mut self) {
-        // The thread leaves the sandbox's group by ending, which is cheap; moving it out first
-        // (`ChargedThread::release`) would take the kernel's cgroup migration lock, measured at
-        // 30 ms a teardown on v1. The tier kills the sandbox's processes before this (see
-        // `HostBacked::destroy`), so the thread does not wait for their quota to end; once it
-        // is joined the group can be removed.
+        // The thread leaves the sandbox's group by ending, without another cgroup migration.
+        // The tier kills the sandbox's processes before this (see `HostBacked::destroy`), so
+        // the thread does not wait for their quota to end; once it is joined the group can be
+        // removed.
         drop(self.stop.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();

@@ -31,17 +31,18 @@ impl NetworkDefault {
         let mut p = NetworkPolicy::parse(allow_out, deny_out)?;
         if self == NetworkDefault::Open {
             let all = |s: &str| -> NetRule { s.parse().expect("a literal rule") };
-            // The open default, below every rule the caller gave: a caller's allow is at least
-            // as specific, and the most specific rule decides.
-            p.allow.extend([all("0.0.0.0/0"), all("::/0")]);
-            let denies_all_v4 = p.deny.iter().any(|r| r.ports.is_none() && r.target == all("0.0.0.0/0").target);
-            if denies_all_v4 && !p.deny.iter().any(|r| r.ports.is_none() && r.target == all("::/0").target) {
-                p.deny.push(all("::/0"));
+            let (v4, v6) = (all("0.0.0.0/0"), all("::/0"));
+            let denies = |p: &NetworkPolicy, r: &NetRule| p.deny.iter().any(|d| d.ports.is_none() && d.target == r.target);
+            if denies(&p, &v4) && !denies(&p, &v6) {
+                p.deny.push(v6.clone());
             }
             // An allowOut entry wins over a denyOut entry as specific as it (cordon's tie goes
             // to deny; E2B's precedence goes to allowOut).
-            let given: Vec<NetRule> = NetworkPolicy::parse(allow_out, &[] as &[&str])?.allow;
+            let given = &p.allow;
             p.deny.retain(|d| !given.iter().any(|a| a.target == d.target && a.ports == d.ports));
+            // The open default, below every rule the caller gave: a caller's allow is at least
+            // as specific, and the most specific rule decides.
+            p.allow.extend([v4, v6]);
             p.resolve_unlisted = true;
         }
         Ok(p)

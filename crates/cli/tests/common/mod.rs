@@ -7,6 +7,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::Once;
 
+/// User plus system CPU seconds from a `/proc/<pid>/stat` or `/proc/<pid>/task/<tid>/stat`.
+pub fn stat_cpu_seconds(path: &str) -> f64 {
+    let s = std::fs::read_to_string(path).unwrap();
+    let f: Vec<&str> = s.rsplit_once(") ").unwrap().1.split_whitespace().collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / hz
+}
+
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }

@@ -117,6 +117,24 @@ fn host_services() -> Vec<(String, String, String)> {
 }
 
 /// The shared test internet, set up on first use.
+/// A python TCP server for the test internet, on OTHER_V4:`port`, that reads and discards
+/// everything as fast as it can; it prints "listening" once bound.
+pub fn drain_server(port: u16) -> String {
+    format!(
+        r#"
+import socket, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('{OTHER_V4}', {port})); s.listen(64)
+print('listening', flush=True)
+def drain(c):
+    while c.recv(1 << 20):
+        pass
+while True:
+    c, _ = s.accept(); threading.Thread(target=drain, args=(c,), daemon=True).start()
+"#
+    )
+}
+
 pub fn internet() -> &'static Internet {
     NET.get_or_init(setup)
 }

@@ -80,11 +80,7 @@ fn rss(pid: u32) -> (u64, u64) {
 
 /// CPU seconds (user + system, every thread) of a host process.
 fn cpu(pid: u32) -> f64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let f: Vec<&str> = s.rsplit_once(") ").unwrap().1.split_whitespace().collect();
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / hz
+    common::stat_cpu_seconds(&format!("/proc/{pid}/stat"))
 }
 
 /// What one flood cost the cordon process `pid`.
@@ -448,19 +444,6 @@ while True:
     c, _ = s.accept(); held.append(c)
 "#;
 
-/// A TCP server on OTHER_V4:9002 that reads and discards everything, as fast as it can.
-const DRAIN: &str = r#"
-import socket, threading
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(('198.51.100.11', 9002)); s.listen(64)
-print('listening', flush=True)
-def drain(c):
-    while c.recv(1 << 20):
-        pass
-while True:
-    c, _ = s.accept(); threading.Thread(target=drain, args=(c,), daemon=True).start()
-"#;
-
 /// A DNS "server" on OTHER_V4:5300 that takes every datagram and never answers.
 const SILENT_DNS: &str = r#"
 import socket
@@ -623,7 +606,7 @@ const CHARGED_CPUS: f64 = 0.1;
 /// over the flood stay together within the quota over the flood's wall time (a quarter over
 /// it, and a quarter of a second, allowed for the scheduler's accounting periods).
 fn the_forwarders_cpu_for_a_sandbox_counts_against_its_cpus(tier: Tier) {
-    let _drain = in_net(DRAIN);
+    let _drain = in_net(&testnet::drain_server(9002));
     let what = "8 connections pushing to a destination that reads everything";
     let cpus = CHARGED_CPUS.to_string();
     let script = eight_threads(&PUSH.replace("9001", "9002"));
