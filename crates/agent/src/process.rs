@@ -14,7 +14,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -391,7 +391,7 @@ fn pidfd_open(pid: u32) -> Option<OwnedFd> {
 /// The program, arguments and complete environment of `spec`; nothing of the agent's own
 /// environment leaks into the command.
 fn command(spec: &SpawnSpec) -> Command {
-    let mut cmd = Command::new(&spec.config.cmd);
+    let mut cmd = Command::new(shell_of_image(&spec.config.cmd, |p| Path::new(p).exists()));
     cmd.args(&spec.config.args).env_clear();
     for (k, v) in &spec.env {
         cmd.env(k, v);
@@ -439,7 +439,23 @@ fn start_child(
     Ok((child, pidfd, exit))
 }
 
+/// E2B's SDKs run every shell command as `/bin/bash -l -c CMD`; an image without bash (Alpine,
+/// busybox) runs it with `/bin/sh`, which takes the same flags.
+fn shell_of_image(cmd: &str, exists: impl Fn(&str) -> bool) -> &str {
+    if cmd == "/bin/bash" && !exists("/bin/bash") && exists("/bin/sh") {
+        "/bin/sh"
+    } else {
+        cmd
+    }
+}
+
 fn start_error(config: &ProcessConfig, e: io::Error) -> ConnectError {
+    if e.kind() == io::ErrorKind::NotFound && matches!(config.cmd.as_str(), "/bin/bash" | "/bin/sh" | "bash" | "sh") && !Path::new("/bin/sh").exists() {
+        return ConnectError::invalid_argument(format!(
+            "this image has no shell (no /bin/sh), so '{}' cannot run: start the program directly, as a command with its arguments (cmd and args), not as a shell command line",
+            config.cmd
+        ));
+    }
     let cmdline = std::iter::once(config.cmd.as_str())
         .chain(config.args.iter().map(String::as_str))
         .collect::<Vec<_>>()
@@ -674,5 +690,19 @@ async fn pump(proc: Arc<Proc>, sources: Vec<Source>, mut exit: oneshot::Receiver
             r = read_opt(a.as_ref().map(|s| &s.fd), &mut buf_a) => if !matches!(r, Ok(n) if n > 0) { a = None },
             r = read_opt(b.as_ref().map(|s| &s.fd), &mut buf_b) => if !matches!(r, Ok(n) if n > 0) { b = None },
         }
+    }
+}
+
+#[cfg(test)]
+mod shell_tests {
+    use super::shell_of_image;
+
+    #[test]
+    fn bash_falls_back_to_sh_only_where_bash_is_missing() {
+        assert_eq!(shell_of_image("/bin/bash", |p| p == "/bin/sh"), "/bin/sh");
+        assert_eq!(shell_of_image("/bin/bash", |_| true), "/bin/bash");
+        // Neither: the exec fails and says the image has no shell.
+        assert_eq!(shell_of_image("/bin/bash", |_| false), "/bin/bash");
+        assert_eq!(shell_of_image("/usr/bin/python3", |_| false), "/usr/bin/python3");
     }
 }

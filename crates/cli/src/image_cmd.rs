@@ -19,8 +19,31 @@ pub enum ImageCmd {
         #[arg(long)]
         mirror: Option<String>,
     },
-    /// Import a plain rootfs tarball (e.g. from `docker export`) as an image.
-    Import { name: String, tarball: PathBuf },
+    /// Import an image: an OCI image layout (directory or tar), a `docker save` archive, or a
+    /// rootfs tarball (e.g. from `docker export`).
+    Import {
+        name: String,
+        path: PathBuf,
+        /// Which image of an archive or layout that holds several (its tag or ref name).
+        #[arg(long)]
+        tag: Option<String>,
+    },
+    /// Pull an image from a registry (OCI distribution protocol); registries on loopback are
+    /// spoken to over plain HTTP.
+    Pull {
+        /// REGISTRY/REPOSITORY[:TAG|@DIGEST], e.g. `127.0.0.1:5000/team/app:1.2`.
+        reference: String,
+        /// Store it under this name (default: the repository's last part, `-TAG` added for a
+        /// tag other than latest).
+        #[arg(long)]
+        name: Option<String>,
+        /// USER:PASSWORD for the registry (default: the Docker config's entry for it, else
+        /// anonymous).
+        #[arg(long, value_name = "USER:PASSWORD", env = "CORDON_REGISTRY_AUTH", hide_env_values = true)]
+        registry_auth: Option<String>,
+    },
+    /// Remove the layers no image uses any more.
+    Prune,
     /// List images.
     #[command(alias = "list")]
     Ls {
@@ -35,7 +58,12 @@ pub enum ImageCmd {
 /// Image errors that are the caller's to fix are usage errors (exit 2).
 pub fn image_error(e: ImageError) -> anyhow::Error {
     match e {
-        ImageError::NotFound { .. } | ImageError::InvalidName { .. } | ImageError::UnknownRecipe { .. } => {
+        ImageError::NotFound { .. }
+        | ImageError::InvalidName { .. }
+        | ImageError::UnknownRecipe { .. }
+        | ImageError::Import { .. }
+        | ImageError::Pull { .. }
+        | ImageError::InUse { .. } => {
             crate::usage(e.to_string())
         }
         e => e.into(),
@@ -48,33 +76,62 @@ pub fn main(state: &State, cmd: ImageCmd) -> Result<()> {
         ImageCmd::Build { name, rebuild, mirror } => {
             build(&store, &name, &BuildOptions { rebuild, mirror })?;
         }
-        ImageCmd::Import { name, tarball } => {
-            if !tarball.is_file() {
-                return Err(crate::usage(format!("{} is not a file: give the path of a rootfs tarball", tarball.display())));
+        ImageCmd::Import { name, path, tag } => {
+            if !path.exists() {
+                return Err(crate::usage(format!("{} does not exist: give the path of an OCI layout, a docker save archive or a rootfs tarball", path.display())));
             }
             let mut bar = Bar::new(&format!("importing {name}"));
-            match store.import_tar(&name, &tarball, &mut bar) {
-                Ok(img) => bar.finish(&format!("imported ({})", cordon_spec::format_size(img.meta.size_bytes))),
+            match store.import(&name, &path, tag.as_deref(), &mut bar) {
+                Ok(img) => bar.finish(&format!("imported ({}, {} layers)", cordon_spec::format_size(img.meta.size_bytes), img.layers.len())),
                 Err(e) => {
                     bar.abandon();
                     return Err(image_error(e));
                 }
             }
         }
+        ImageCmd::Pull { reference, name, registry_auth } => {
+            let auth = match registry_auth {
+                None => cordon_image::Auth::DockerConfig,
+                Some(s) => match s.split_once(':') {
+                    Some((u, p)) if !u.is_empty() => cordon_image::Auth::Basic(u.into(), p.into()),
+                    _ => return Err(crate::usage("--registry-auth: use USER:PASSWORD")),
+                },
+            };
+            let mut bars = crate::progress::Items::new(&format!("pulling {reference}"));
+            let started = std::time::Instant::now();
+            match store.pull(&reference, name.as_deref(), &auth, &mut bars) {
+                Ok(img) => bars.finish(&format!(
+                    "image {} ({}, {} layers) in {:.1}s",
+                    img.name,
+                    cordon_spec::format_size(img.meta.size_bytes),
+                    img.layers.len(),
+                    started.elapsed().as_secs_f64()
+                )),
+                Err(e) => {
+                    bars.abandon();
+                    return Err(image_error(e));
+                }
+            }
+        }
+        ImageCmd::Prune => {
+            let p = store.prune().map_err(image_error)?;
+            eprintln!("removed {} unused layers ({})", p.layers, cordon_spec::format_size(p.bytes));
+        }
         ImageCmd::Ls { json } => {
-            let images = store.list()?;
+            let images = store.usage()?;
             if json {
-                let v: Vec<_> = images.iter().map(|i| &i.meta).collect();
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                println!("{}", serde_json::to_string_pretty(&images)?);
             } else {
-                println!("{:<24} {:>10}  {:<12} SOURCE", "NAME", "SIZE", "USER");
+                println!("{:<24} {:>10} {:>10} {:>6}  {:<12} SOURCE", "NAME", "SIZE", "SHARED", "LAYERS", "USER");
                 for i in images {
                     println!(
-                        "{:<24} {:>10}  {:<12} {}",
+                        "{:<24} {:>10} {:>10} {:>6}  {:<12} {}",
                         i.name,
-                        cordon_spec::format_size(i.meta.size_bytes),
-                        i.meta.default_user,
-                        i.meta.source
+                        cordon_spec::format_size(i.size_bytes),
+                        cordon_spec::format_size(i.shared_bytes),
+                        i.layers.len().max(1),
+                        i.default_user,
+                        i.source
                     );
                 }
             }

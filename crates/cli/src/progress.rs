@@ -78,3 +78,61 @@ impl cordon_image::Progress for Lazy {
         }
     }
 }
+
+/// One bar per item going on at once (the layers of a pull), with its bytes; lines above them.
+/// Without a terminal the bars are hidden and every line is printed instead.
+pub struct Items {
+    title: String,
+    multi: indicatif::MultiProgress,
+    bars: std::collections::HashMap<String, ProgressBar>,
+}
+
+impl Items {
+    pub fn new(title: &str) -> Items {
+        Items { title: title.to_string(), multi: indicatif::MultiProgress::new(), bars: Default::default() }
+    }
+
+    pub fn finish(&self, msg: &str) {
+        for b in self.bars.values() {
+            b.finish_and_clear();
+        }
+        let _ = self.multi.clear();
+        eprintln!("{}: {msg}", self.title);
+    }
+
+    pub fn abandon(&self) {
+        for b in self.bars.values() {
+            b.abandon();
+        }
+    }
+}
+
+impl cordon_image::Progress for Items {
+    fn stage(&mut self, index: usize, total: usize, name: &str) {
+        self.line(&format!("[{}/{total}] {name}", index + 1));
+    }
+
+    fn line(&mut self, text: &str) {
+        let t: String = text.chars().filter(|c| !c.is_control()).take(160).collect();
+        if self.multi.is_hidden() {
+            eprintln!("{}: {t}", self.title);
+        } else {
+            let _ = self.multi.println(format!("{}: {t}", self.title));
+        }
+    }
+
+    fn bytes(&mut self, item: &str, done: u64, total: Option<u64>) {
+        let multi = &self.multi;
+        let bar = self.bars.entry(item.to_string()).or_insert_with(|| {
+            let b = multi.add(ProgressBar::new(total.unwrap_or(0)));
+            b.set_style(
+                ProgressStyle::with_template("{prefix:.bold} [{bar:24.cyan/blue}] {bytes}/{total_bytes} {bytes_per_sec}")
+                    .expect("valid template")
+                    .progress_chars("=> "),
+            );
+            b.set_prefix(item.to_string());
+            b
+        });
+        bar.set_position(done);
+    }
+}

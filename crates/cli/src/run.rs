@@ -43,9 +43,10 @@ pub struct RunArgs {
     /// Working directory inside the sandbox (default: the user's home).
     #[arg(long, short = 'w')]
     workdir: Option<String>,
-    /// User inside the sandbox (`user` or `root`, or any user of the image).
-    #[arg(long, short = 'u', default_value = "user")]
-    user: String,
+    /// User inside the sandbox (`user` or `root`, or any user of the image; default: the
+    /// image's user, `User` of an OCI image's config).
+    #[arg(long, short = 'u')]
+    user: Option<String>,
     /// Copy a host file or directory in before the command starts (repeatable). Never mounted.
     #[arg(long = "copy", value_name = "HOST:SANDBOX")]
     copy: Vec<String>,
@@ -72,8 +73,12 @@ pub struct RunArgs {
     /// Print a final JSON record (exit code, reason, duration, peak memory) as the last line of stdout.
     #[arg(long)]
     json: bool,
+    /// Run the image's own command (its config's Entrypoint and Cmd); arguments after `--`
+    /// then replace Cmd, as with `docker run`.
+    #[arg(long)]
+    image_command: bool,
     /// The command and its arguments, after `--`.
-    #[arg(last = true, required = true, value_name = "CMD")]
+    #[arg(last = true, value_name = "CMD")]
     command: Vec<String>,
 }
 
@@ -124,7 +129,7 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         limits,
         env,
         workdir: a.workdir.clone(),
-        user: a.user.clone(),
+        user: a.user.clone().unwrap_or_else(|| "user".into()),
         allow_ptrace: a.allow_ptrace,
         network,
         // Always recorded; `--audit` decides whether it is printed.
@@ -153,13 +158,17 @@ fn parse_copy(s: &str) -> Result<Copy> {
 }
 
 pub fn main(state: &State, a: RunArgs) -> Result<u8> {
-    let plan = plan(&a)?;
+    if a.command.is_empty() && !a.image_command {
+        return Err(usage("give the command to run after `--` (e.g. `cordon run -- python3 -V`), or --image-command to run the image's own"));
+    }
+    let mut plan = plan(&a)?;
     let backend = open_tier(state, &plan)?;
+    let command = image_defaults(state, &a, &mut plan.spec)?;
     let rt = runtime(&plan.spec)?;
     let started = Instant::now();
     let sandbox = create_sandbox(&rt, backend.as_ref(), &plan.spec)?;
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
-    let end = run_and_destroy(rt, sandbox, &plan, &a.command, started);
+    let end = run_and_destroy(rt, sandbox, &plan, &command, started);
 
     let spec = &plan.spec;
     let ended = match end.outcome {
@@ -202,6 +211,27 @@ fn plan(a: &RunArgs) -> Result<Plan> {
         spec.tier
     ))?;
     Ok(Plan { spec, dns_upstream, copies, caps })
+}
+
+/// What the image's config decides where the flags did not: the user and working directory
+/// (an OCI image's `User` and `WorkingDir`), and with `--image-command` the command itself.
+fn image_defaults(state: &State, a: &RunArgs, spec: &mut SandboxSpec) -> Result<Vec<String>> {
+    let image = state.images()?.get(&spec.image).map_err(crate::image_cmd::image_error)?;
+    if a.user.is_none() {
+        spec.user = image.meta.default_user.clone();
+    }
+    if spec.workdir.is_none() {
+        spec.workdir = image.meta.workdir.clone();
+    }
+    if !a.image_command {
+        return Ok(a.command.clone());
+    }
+    let cmd = if a.command.is_empty() { &image.meta.cmd } else { &a.command };
+    let full: Vec<String> = image.meta.entrypoint.iter().chain(cmd).cloned().collect();
+    if full.is_empty() {
+        return Err(usage(format!("image {} has no Entrypoint or Cmd: give the command after `--`", spec.image)));
+    }
+    Ok(full)
 }
 
 /// Opens the tier and makes sure its image is ready, before any sandbox exists.

@@ -38,6 +38,8 @@ impl Backend for GvisorBackend {
 
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
         CAPABILITIES.check_network(Tier::Gvisor, &spec.network)?;
+        // Pinned before it is looked up, so it cannot be removed between the two.
+        let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
         let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
         spec.validate()?;
         if spec.allow_ptrace {
@@ -47,7 +49,7 @@ impl Backend for GvisorBackend {
         let agent_cfg = cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref());
         let cfg = crate::SandboxConfig {
             id: spec.id.clone(),
-            rootfs: image.rootfs.clone(),
+            layers: image.layers.clone(),
             limits: spec.limits.clone(),
             agent_config: cordon_agent::encode_config(&agent_cfg),
             tun: spec.network.is_enabled(),
@@ -55,6 +57,6 @@ impl Backend for GvisorBackend {
         let mut sandbox = self.gv.create(&cfg).map_err(|e| Error::failed("gvisor tier", e))?;
         let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
         let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, cordon_host::tun::MTU, self.dns_upstream, &sandbox.cgroup, &spec.limits)?;
-        Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone() }))
+        Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }))
     }
 }

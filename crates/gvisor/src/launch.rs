@@ -17,8 +17,8 @@ pub struct Plan<'a> {
     pub id: &'a str,
     /// The sandbox's directory: bundle, runsc state, log.
     pub dir: &'a Path,
-    /// The image's read-only tree.
-    pub image: &'a Path,
+    /// The image's read-only layer trees, bottom first.
+    pub image: &'a [PathBuf],
     /// Mount point of the sandbox's root (empty on the host).
     pub rootfs: &'a Path,
     /// Mount point of the writable layer's tmpfs (empty on the host).
@@ -84,7 +84,8 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
     let disk_opts = CString::new(format!("size={},mode=0755", plan.disk_bytes)).expect("no NUL");
     let ovl_opts = cstr(Path::new(&format!(
         "lowerdir={},upperdir={},workdir={}",
-        plan.image.display(),
+        // overlayfs lists lower layers top first.
+        plan.image.iter().rev().map(|p| p.display().to_string()).collect::<Vec<_>>().join(":"),
         plan.disk.join("upper").display(),
         plan.disk.join("work").display()
     )))?;

@@ -73,8 +73,8 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> GvisorError {
 #[derive(Debug, Clone)]
 pub struct SandboxConfig {
     pub id: String,
-    /// The image's root tree (read-only; never written).
-    pub rootfs: PathBuf,
+    /// The image's layer trees, bottom first (read-only; never written).
+    pub layers: Vec<PathBuf>,
     pub limits: Limits,
     /// The agent's configuration (see `cordon_agent::encode_config`): sent as the first bytes
     /// of the link, before the channel starts, never in the environment.
@@ -187,7 +187,7 @@ impl Gvisor {
             platform: &self.platform,
             id: &cfg.id,
             dir: sb.entry.dir(),
-            image: &cfg.rootfs,
+            image: &cfg.layers,
             rootfs: &rootfs,
             disk: &disk,
             disk_bytes: cfg.limits.disk_bytes,

@@ -83,6 +83,24 @@ pub enum ImageError {
         reason: String,
     },
 
+    /// An image could not be pulled from its registry.
+    #[error("cannot pull '{reference}': {reason}")]
+    Pull {
+        /// The reference given.
+        reference: String,
+        /// What went wrong and what to do.
+        reason: String,
+    },
+
+    /// The image cannot be changed while sandboxes use it.
+    #[error("image '{name}' is {what}: stop the sandboxes that use it (cordon ps) and try again")]
+    InUse {
+        /// Image name.
+        name: String,
+        /// "in use by a running sandbox", or "being removed" (for a pin).
+        what: String,
+    },
+
     /// An image directory exists but its metadata is unusable.
     #[error(
         "image '{name}' is damaged ({reason}): remove it with 'cordon image remove {name}' \

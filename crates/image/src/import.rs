@@ -152,7 +152,7 @@ fn unpack_tar(
     Ok(summary)
 }
 
-fn unpack_error(path: &str, e: &io::Error) -> String {
+pub(crate) fn unpack_error(path: &str, e: &io::Error) -> String {
     let chain = error_chain(e);
     if chain.contains("outside of destination") {
         format!(
@@ -170,7 +170,7 @@ fn unpack_error(path: &str, e: &io::Error) -> String {
 /// Makes text from an archive (names, parser messages quoting header
 /// bytes) safe for a one-line message: control characters escaped, length
 /// bounded.
-fn clip(s: &str) -> String {
+pub(crate) fn clip(s: &str) -> String {
     const MAX: usize = 200;
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {

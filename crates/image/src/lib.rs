@@ -13,9 +13,14 @@
 //! read-only, below an overlay.
 
 mod build;
+mod digest;
 mod error;
 mod fsutil;
 mod import;
+mod layered;
+mod layers;
+mod oci;
+mod pull;
 mod recipe;
 
 use std::fs;
@@ -25,7 +30,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+pub use digest::Digest;
 pub use error::ImageError;
+pub use layers::LayerInfo;
+pub use pull::Auth;
 
 use build::{BuildLog, Stages};
 
@@ -43,6 +51,9 @@ pub trait Progress {
     fn stage(&mut self, index: usize, total: usize, name: &str);
     /// One line of output or an informational message.
     fn line(&mut self, text: &str);
+    /// Bytes of one item of several going on at once (a layer being pulled): `done` of
+    /// `total`, when the total is known.
+    fn bytes(&mut self, _item: &str, _done: u64, _total: Option<u64>) {}
 }
 
 /// A [`Progress`] that ignores everything.
@@ -88,6 +99,22 @@ pub struct ImageMeta {
     /// before this field existed); see [`Store::is_stale`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recipe: Option<String>,
+    /// The layers of an OCI image (diff_ids, bottom first), in the layer store; empty for an
+    /// image that is one tree of its own (built from a recipe, or a rootfs tarball).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
+    /// The working directory processes start in unless told otherwise (the image config's
+    /// `WorkingDir`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// The image config's `Entrypoint` and `Cmd`: what `cordon run --image-command` runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub entrypoint: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cmd: Vec<String>,
+    /// The image config's `ExposedPorts` (`80/tcp`), recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exposed_ports: Vec<String>,
 }
 
 /// A long-running service that every sandbox of an image starts, like an
@@ -133,10 +160,60 @@ fn needs_token_by_default() -> bool {
 pub struct Image {
     /// Image name.
     pub name: String,
-    /// Absolute path of the root filesystem tree (to be used read-only).
-    pub rootfs: PathBuf,
+    /// Absolute paths of its layer trees, bottom first (to be used read-only, stacked as
+    /// overlay lower layers); one tree for an image that is not layered.
+    pub layers: Vec<PathBuf>,
     /// Its metadata.
     pub meta: ImageMeta,
+}
+
+impl Image {
+    /// The image's one tree, when it has exactly one layer.
+    pub fn single_tree(&self) -> Option<&Path> {
+        match self.layers.as_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+}
+
+/// An image's disk use as `cordon image ls` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage {
+    pub name: String,
+    /// Bytes of all its layers.
+    pub size_bytes: u64,
+    /// Bytes of the layers it shares with at least one other image.
+    pub shared_bytes: u64,
+    /// Its layers (diff_ids, bottom first); empty for a one-tree image.
+    pub layers: Vec<String>,
+    pub source: String,
+    pub default_user: String,
+}
+
+/// What `Store::prune` removed.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Pruned {
+    pub layers: usize,
+    pub bytes: u64,
+}
+
+/// `12.3 MiB`.
+pub(crate) fn human_size(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+    } else if b >= 1 << 20 {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", b as f64 / 1024.0)
+    }
+}
+
+/// A live sandbox's hold on its image: `Store::remove` refuses while one exists. A shared
+/// flock, so it is released by the kernel however the holder ends.
+#[derive(Debug)]
+pub struct Pin {
+    _file: fs::File,
 }
 
 /// Names of the recipes [`Store::build`] accepts.
@@ -187,6 +264,7 @@ pub fn validate_name(name: &str) -> Result<(), ImageError> {
 #[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
+    layers: layers::LayerStore,
 }
 
 impl Store {
@@ -200,7 +278,8 @@ impl Store {
         let root = root
             .canonicalize()
             .map_err(|e| ImageError::io(format!("cannot open {}", root.display()), e))?;
-        Ok(Store { root })
+        let layers = layers::LayerStore::open(state_dir)?;
+        Ok(Store { root, layers })
     }
 
     fn image_dir(&self, name: &str) -> PathBuf {
@@ -235,21 +314,95 @@ impl Store {
             name: name.into(),
             reason: format!("{} is not valid: {e}", meta_path.display()),
         })?;
-        let rootfs = dir.join(ROOTFS_DIR);
-        if !fs::symlink_metadata(&rootfs)
-            .map(|m| m.is_dir())
-            .unwrap_or(false)
-        {
-            return Err(ImageError::Corrupt {
-                name: name.into(),
-                reason: format!("{} is missing", rootfs.display()),
-            });
+        self.image_from(name, meta)
+    }
+
+    /// The image `meta` describes, checking that its trees are there.
+    fn image_from(&self, name: &str, meta: ImageMeta) -> Result<Image, ImageError> {
+        let corrupt = |reason: String| ImageError::Corrupt { name: name.into(), reason };
+        let layers = if meta.layers.is_empty() {
+            vec![self.image_dir(name).join(ROOTFS_DIR)]
+        } else {
+            let mut v = Vec::new();
+            for l in &meta.layers {
+                let d = Digest::parse(l).map_err(&corrupt)?;
+                if !self.layers.has(&d) {
+                    return Err(corrupt(format!("its layer {} is missing from the layer store", d.short())));
+                }
+                v.push(self.layers.diff_path(&d));
+            }
+            v
+        };
+        for l in &layers {
+            if !fs::symlink_metadata(l).map(|m| m.is_dir()).unwrap_or(false) {
+                return Err(corrupt(format!("{} is missing", l.display())));
+            }
         }
-        Ok(Image {
-            name: name.into(),
-            rootfs,
-            meta,
-        })
+        Ok(Image { name: name.into(), layers, meta })
+    }
+
+    /// Pins image `name` for a sandbox's lifetime (see [`Pin`]).
+    pub fn pin(&self, name: &str) -> Result<Pin, ImageError> {
+        validate_name(name)?;
+        let path = self.root.join(format!(".use-{name}"));
+        let file = fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| ImageError::io(format!("cannot open {}", path.display()), e))?;
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockShared) {
+            Ok(()) => Ok(Pin { _file: file }),
+            Err(rustix::io::Errno::WOULDBLOCK) => Err(ImageError::InUse { name: name.into(), what: "being removed".into() }),
+            Err(e) => Err(ImageError::io(format!("cannot lock {}", path.display()), e.into())),
+        }
+    }
+
+    /// Disk use of every image, with the bytes each shares with others.
+    pub fn usage(&self) -> Result<Vec<Usage>, ImageError> {
+        let images = self.list()?;
+        let mut refs: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        for i in &images {
+            for l in &i.meta.layers {
+                *refs.entry(l.as_str()).or_default() += 1;
+            }
+        }
+        Ok(images
+            .iter()
+            .map(|i| {
+                let shared = i
+                    .meta
+                    .layers
+                    .iter()
+                    .filter(|l| refs.get(l.as_str()).copied().unwrap_or(0) > 1)
+                    .filter_map(|l| Digest::parse(l).ok().and_then(|d| self.layers.info(&d)))
+                    .map(|info| info.size_bytes)
+                    .sum();
+                Usage {
+                    name: i.name.clone(),
+                    size_bytes: i.meta.size_bytes,
+                    shared_bytes: shared,
+                    layers: i.meta.layers.clone(),
+                    source: i.meta.source.clone(),
+                    default_user: i.meta.default_user.clone(),
+                }
+            })
+            .collect())
+    }
+
+    /// Removes every layer no image references (and interrupted unpacks). Waits for pulls and
+    /// imports in progress, whose layers are not referenced yet, to finish.
+    pub fn prune(&self) -> Result<Pruned, ImageError> {
+        let _lock = self.layers.lock(true)?;
+        self.layers.sweep();
+        let mut keep = std::collections::HashSet::new();
+        let rd = fs::read_dir(&self.root).map_err(|e| ImageError::io(format!("cannot list {}", self.root.display()), e))?;
+        for entry in rd.flatten() {
+            // Every image.json, damaged images and staging ones included: a layer is only
+            // removed when nothing at all names it.
+            let Ok(text) = fs::read_to_string(entry.path().join(META_FILE)) else { continue };
+            let Ok(meta) = serde_json::from_str::<ImageMeta>(&text) else {
+                return Err(ImageError::Corrupt { name: entry.file_name().to_string_lossy().into_owned(), reason: "its image.json cannot be read, so prune cannot tell which layers it uses".into() });
+            };
+            keep.extend(meta.layers.iter().filter_map(|l| Digest::parse(l).ok()));
+        }
+        let (layers, bytes) = self.layers.remove_except(&keep)?;
+        Ok(Pruned { layers, bytes })
     }
 
     /// All images, sorted by name. Damaged images are left out (and logged);
@@ -289,6 +442,8 @@ impl Store {
         if fs::symlink_metadata(&dir).is_err() {
             return Err(ImageError::NotFound { name: name.into() });
         }
+        // Held until the image is gone, so no sandbox can pin it meanwhile.
+        let _in_use = self.exclusive_use(name)?;
         // Rename first so the image disappears atomically; if the deletion
         // is interrupted the leftover is an ordinary stale staging dir.
         let trash = self.staging_dir(name);
@@ -296,6 +451,17 @@ impl Store {
             .map_err(|e| ImageError::io(format!("cannot remove {}", dir.display()), e))?;
         fsutil::remove_tree(&trash)
             .map_err(|e| ImageError::io(format!("cannot delete {}", trash.display()), e))
+    }
+
+    /// The exclusive side of [`Store::pin`]: fails while a sandbox runs from `name`.
+    fn exclusive_use(&self, name: &str) -> Result<fs::File, ImageError> {
+        let path = self.root.join(format!(".use-{name}"));
+        let file = fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| ImageError::io(format!("cannot open {}", path.display()), e))?;
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => Ok(file),
+            Err(rustix::io::Errno::WOULDBLOCK) => Err(ImageError::InUse { name: name.into(), what: "in use by a running sandbox".into() }),
+            Err(e) => Err(ImageError::io(format!("cannot lock {}", path.display()), e.into())),
+        }
     }
 
     /// Whether `img` was built from a recipe that has changed since (a newer cordon ships other
@@ -438,9 +604,11 @@ impl Store {
         mut meta: ImageMeta,
         line: &mut dyn FnMut(&str),
     ) -> Result<Image, ImageError> {
-        let rootfs = staging.join(ROOTFS_DIR);
-        meta.size_bytes = fsutil::tree_size(&rootfs)
-            .map_err(|e| ImageError::io(format!("cannot measure {}", rootfs.display()), e))?;
+        if meta.layers.is_empty() {
+            let rootfs = staging.join(ROOTFS_DIR);
+            meta.size_bytes = fsutil::tree_size(&rootfs)
+                .map_err(|e| ImageError::io(format!("cannot measure {}", rootfs.display()), e))?;
+        }
         line(&format!(
             "image size {:.1} MiB",
             meta.size_bytes as f64 / (1024.0 * 1024.0)
@@ -503,11 +671,7 @@ impl Store {
                 )
             })?;
         }
-        Ok(Image {
-            name: name.into(),
-            rootfs: dir.join(ROOTFS_DIR),
-            meta,
-        })
+        self.image_from(name, meta)
     }
 
     fn staging_dir(&self, name: &str) -> PathBuf {
@@ -677,6 +841,7 @@ fn recipe_meta(r: &recipe::Recipe) -> ImageMeta {
         default_user: r.default_user.into(),
         start: r.start.as_ref().map(|s| s.to_command()),
         recipe: Some(r.digest()),
+        ..ImageMeta::empty()
     }
 }
 
@@ -763,8 +928,27 @@ fn imported_meta(name: &str, tarball: &Path, rootfs: &Path) -> ImageMeta {
         size_bytes: 0,
         env: vec![("PATH".into(), recipe::DEFAULT_PATH.into())],
         default_user: default_user.into(),
-        start: None,
-        recipe: None,
+        ..ImageMeta::empty()
+    }
+}
+
+impl ImageMeta {
+    fn empty() -> ImageMeta {
+        ImageMeta {
+            name: String::new(),
+            created_unix: now_unix(),
+            source: String::new(),
+            size_bytes: 0,
+            env: Vec::new(),
+            default_user: "root".into(),
+            start: None,
+            recipe: None,
+            layers: Vec::new(),
+            workdir: None,
+            entrypoint: Vec::new(),
+            cmd: Vec::new(),
+            exposed_ports: Vec::new(),
+        }
     }
 }
 

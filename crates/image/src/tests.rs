@@ -286,7 +286,7 @@ fn import_get_list_remove() {
     let img = store.import_tar("demo", &tarball, &mut rec).unwrap();
 
     assert_eq!(img.name, "demo");
-    assert_eq!(img.rootfs, store.root.join("demo/rootfs"));
+    assert_eq!(img.layers[0], store.root.join("demo/rootfs"));
     assert_eq!(img.meta.default_user, "user");
     assert_eq!(img.meta.source, format!("import {}", tarball.display()));
     assert_eq!(
@@ -304,7 +304,7 @@ fn import_get_list_remove() {
         rec.lines
     );
 
-    let r = &img.rootfs;
+    let r = &img.layers[0];
     assert_eq!(
         fs::read_to_string(r.join("bin/hello")).unwrap(),
         "hello v1\n"
@@ -406,7 +406,7 @@ fn gzip_import() {
     enc.finish().unwrap();
     let img = store.import_tar("gz", &gz_path, &mut NoProgress).unwrap();
     assert_eq!(
-        fs::read_to_string(img.rootfs.join("bin/hello")).unwrap(),
+        fs::read_to_string(img.layers[0].join("bin/hello")).unwrap(),
         "gz\n"
     );
 }
@@ -420,7 +420,7 @@ fn reimport_replaces_existing_image() {
     store.import_tar("app", &v1, &mut NoProgress).unwrap();
     let img = store.import_tar("app", &v2, &mut NoProgress).unwrap();
     assert_eq!(
-        fs::read_to_string(img.rootfs.join("bin/hello")).unwrap(),
+        fs::read_to_string(img.layers[0].join("bin/hello")).unwrap(),
         "v2 is longer\n"
     );
     assert_eq!(
@@ -438,7 +438,7 @@ fn reimport_replaces_existing_image() {
     fs::write(&junk, vec![b'x'; 4096]).unwrap();
     assert!(store.import_tar("app", &junk, &mut NoProgress).is_err());
     assert_eq!(
-        fs::read_to_string(store.get("app").unwrap().rootfs.join("bin/hello")).unwrap(),
+        fs::read_to_string(store.get("app").unwrap().layers[0].join("bin/hello")).unwrap(),
         "v2 is longer\n"
     );
 }
@@ -457,7 +457,7 @@ fn concurrent_imports_serialize() {
         }
     });
     let img = store.get("same").unwrap();
-    let content = fs::read_to_string(img.rootfs.join("bin/hello")).unwrap();
+    let content = fs::read_to_string(img.layers[0].join("bin/hello")).unwrap();
     assert!(content.starts_with('v'));
     assert!(staging_leftovers(&store.root).is_empty());
 }
@@ -740,8 +740,11 @@ fn meta_json_roundtrip() {
         default_user: "user".into(),
         start: None,
         recipe: None,
+        ..ImageMeta::empty()
     };
     let j = serde_json::to_string(&m).unwrap();
+    // Fields an older image.json lacks stay absent, and it still reads.
+    assert!(!j.contains("layers") && !j.contains("workdir"), "{j}");
     assert!(j.contains(r#""env":[["LANG","C.UTF-8"]]"#), "{j}");
     assert!(!j.contains("start"), "no start command, no field: {j}");
     assert_eq!(serde_json::from_str::<ImageMeta>(&j).unwrap(), m);
@@ -801,7 +804,7 @@ fn build_base_with_mmdebstrap() {
         img.meta.size_bytes as f64 / 1048576.0,
         p.0
     );
-    let r = &img.rootfs;
+    let r = &img.layers[0];
     for f in [
         "usr/bin/python3",
         "usr/bin/sudo",

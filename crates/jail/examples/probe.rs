@@ -25,7 +25,7 @@ fn main() {
     let sb = jail
         .create(&cordon_jail::SandboxConfig {
             id: cordon_sandbox::new_id(),
-            rootfs: rootfs.into(),
+            layers: vec![rootfs.into()],
             limits: Default::default(),
             agent_config: script.into_bytes(),
             allow_ptrace: false,

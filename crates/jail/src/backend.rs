@@ -47,6 +47,8 @@ impl Backend for JailBackend {
     }
 
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
+        // Pinned before it is looked up, so it cannot be removed between the two.
+        let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
         let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
         spec.validate()?;
         let mut agent_cfg = cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref());
@@ -54,7 +56,7 @@ impl Backend for JailBackend {
         agent_cfg.isolate_commands = !spec.allow_ptrace;
         let cfg = crate::SandboxConfig {
             id: spec.id.clone(),
-            rootfs: image.rootfs.clone(),
+            layers: image.layers.clone(),
             limits: spec.limits.clone(),
             agent_config: cordon_agent::encode_config(&agent_cfg),
             allow_ptrace: spec.allow_ptrace,
@@ -65,6 +67,6 @@ impl Backend for JailBackend {
         let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
         let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
         let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, crate::tun::MTU, self.dns_upstream, &sandbox.cgroup, &spec.limits)?;
-        Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone() }))
+        Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }))
     }
 }

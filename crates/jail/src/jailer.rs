@@ -38,7 +38,8 @@ use std::path::PathBuf;
 #[derive(Debug, Serialize, Deserialize)]
 pub struct JailerConfig {
     pub id: String,
-    pub rootfs: PathBuf,
+    /// The image's layers, bottom first.
+    pub layers: Vec<PathBuf>,
     pub staging: PathBuf,
     pub socket: PathBuf,
     pub uid_base: u32,
@@ -213,10 +214,17 @@ fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<(Option
     fs::write(format!("/proc/{pid}/gid_map"), &map)?;
 
     let userns: OwnedFd = fs::File::open(format!("/proc/{pid}/ns/user"))?.into();
-    let tree = sys::open_tree_clone(&cfg.rootfs)?;
-    sys::mount_setattr(&tree, sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV, Some(&userns))?;
-    sys::send_fd(sock, &tree)?;
-    drop(tree);
+    // Every layer idmapped for the sandbox's range, in order, bottom first; the init counts
+    // them from the same config.
+    let mut trees = Vec::with_capacity(cfg.layers.len());
+    for layer in &cfg.layers {
+        let tree = sys::open_tree_clone(layer)?;
+        sys::mount_setattr(&tree, sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV, Some(&userns))?;
+        trees.push(tree);
+    }
+    for tree in trees {
+        sys::send_fd(sock, &tree)?;
+    }
 
     // Messages until EOF: the seccomp listener (an fd), `landlock=<status>` just before exec,
     // or an error. EOF (the close-on-exec socket closing) means the exec happened.
@@ -271,7 +279,10 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     let exe = high_fd(exe)?;
 
     // The image arrives only after the maps are written, so this is also the go signal.
-    let image = sys::recv_fd(sock)?.ok_or_else(|| io::Error::other("jailer went away"))?;
+    let mut image = Vec::with_capacity(cfg.layers.len());
+    for _ in 0..cfg.layers.len() {
+        image.push(sys::recv_fd(sock)?.ok_or_else(|| io::Error::other("jailer went away"))?);
+    }
     sys::become_root()?;
     rootfs::enter(rootfs::RootPlan {
         staging: &cfg.staging,

@@ -58,8 +58,9 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> JailError {
 #[derive(Debug, Clone)]
 pub struct SandboxConfig {
     pub id: String,
-    /// The image's root tree (read-only; never written).
-    pub rootfs: PathBuf,
+    /// The image's layer trees, bottom first (read-only; never written), stacked as the
+    /// overlay's lower layers.
+    pub layers: Vec<PathBuf>,
     pub limits: Limits,
     /// The agent's configuration, as it reads it from its descriptor `CORDON_AGENT_CONFIG_FD`
     /// (see `cordon_agent::encode_config`); the jail hands it over as is.
@@ -143,7 +144,7 @@ impl Jail {
 
         let jcfg = jailer::JailerConfig {
             id: cfg.id.clone(),
-            rootfs: cfg.rootfs.clone(),
+            layers: cfg.layers.clone(),
             staging,
             socket: sb.socket.clone(),
             uid_base: UID_BASE + slot_index * UID_COUNT,

@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 pub struct RootPlan<'a> {
     /// Host directory used as the mount point of the staging tmpfs (empty on the host side).
     pub staging: &'a Path,
-    /// Detached, idmapped, read-only clone of the image tree.
-    pub image: OwnedFd,
+    /// Detached, idmapped, read-only clones of the image's layer trees, bottom first.
+    pub image: Vec<OwnedFd>,
     /// Size of the one tmpfs that holds the writable layer, `/tmp` and `/dev/shm` together.
     pub disk_bytes: u64,
     pub hostname: &'a str,
@@ -125,7 +125,7 @@ pub fn enter(plan: RootPlan<'_>, ops: &dyn MountOps) -> io::Result<()> {
 
 /// Mounts the writable layer's tmpfs on `st`, the image under it and the overlay of both at
 /// `st/root`, and makes that the working directory. Returns the overlay's path.
-fn stage_layers(ops: &dyn MountOps, st: &Path, image: OwnedFd, disk: u64) -> io::Result<PathBuf> {
+fn stage_layers(ops: &dyn MountOps, st: &Path, image: Vec<OwnedFd>, disk: u64) -> io::Result<PathBuf> {
     // One size-capped tmpfs, private to this mount namespace, holds everything the sandbox can
     // write: the overlay's upper and work dirs, `/tmp` and `/dev/shm` (bound from subdirectories
     // of it), so `--disk` is one budget for all three, as the flag says. It holds no host disk,
@@ -144,12 +144,27 @@ fn stage_layers(ops: &dyn MountOps, st: &Path, image: OwnedFd, disk: u64) -> io:
         fs::set_permissions(st.join(d), fs::Permissions::from_mode(0o1777))?;
     }
     crate::procview::write_files(&st.join(PROC_VIEW))?;
-    ops.move_mount_to(&image, &lower)?;
+    // One layer is mounted at `lower` itself; several at `lower/0` (bottom) .. `lower/N-1`.
+    let lowerdir = if image.len() == 1 {
+        ops.move_mount_to(&image[0], &lower)?;
+        "lower".to_string()
+    } else {
+        let mut names = Vec::with_capacity(image.len());
+        for (i, tree) in image.iter().enumerate() {
+            let at = lower.join(i.to_string());
+            mkdir(&at, 0o755)?;
+            ops.move_mount_to(tree, &at)?;
+            names.push(format!("lower/{i}"));
+        }
+        // overlayfs lists lower layers top first.
+        names.reverse();
+        names.join(":")
+    };
     drop(image);
     // Relative layer paths (resolved against the staging dir) keep host paths out of the
     // sandbox's /proc/mounts.
     ops.chdir(st)?;
-    ops.mount("cordon-root", Path::new("root"), "overlay", libc::MS_NOATIME, Some("lowerdir=lower,upperdir=upper,workdir=work,userxattr"))?;
+    ops.mount("cordon-root", Path::new("root"), "overlay", libc::MS_NOATIME, Some(&format!("lowerdir={lowerdir},upperdir=upper,workdir=work,userxattr")))?;
     ops.chdir(&root)?;
     for d in ["proc", "dev", "sys", "tmp"] {
         mkdir(&root.join(d), 0o755)?;
@@ -366,7 +381,7 @@ mod tests {
     }
 
     fn plan<'a>(st: &'a Path, nameservers: bool) -> RootPlan<'a> {
-        RootPlan { staging: st, image: fs::File::open(st).unwrap().into(), disk_bytes: 1 << 20, hostname: "sb-test", nameservers }
+        RootPlan { staging: st, image: vec![fs::File::open(st).unwrap().into()], disk_bytes: 1 << 20, hostname: "sb-test", nameservers }
     }
 
     fn position(calls: &[String], prefix: &str) -> usize {

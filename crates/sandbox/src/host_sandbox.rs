@@ -41,6 +41,8 @@ pub struct HostBacked<S> {
     pub egress: Egress,
     pub sandbox: S,
     pub start: Option<cordon_image::StartCommand>,
+    /// The image's pin: `cordon image rm` refuses while the sandbox lives.
+    pub pin: cordon_image::Pin,
 }
 
 impl<S: HostSandbox> Sandbox for HostBacked<S> {

@@ -42,6 +42,8 @@ fn vm_err(what: &'static str) -> impl Fn(VmError) -> Error {
 struct VmSandbox {
     vm: crate::Vm,
     start: Option<cordon_image::StartCommand>,
+    /// Holds the image against `cordon image rm` while the VM lives.
+    _pin: cordon_image::Pin,
 }
 
 impl cordon_sandbox::Sandbox for VmSandbox {
@@ -99,22 +101,23 @@ impl Backend for VmBackend {
         image: &cordon_image::Image,
         progress: &mut dyn cordon_image::Progress,
     ) -> Result<Option<String>, Error> {
-        let prep = self.tier.prepare(&image.name, &image.rootfs, progress).map_err(vm_err("prepare the VM"))?;
+        let prep = self.tier.prepare(&image.name, &image.layers, progress).map_err(vm_err("prepare the VM"))?;
         Ok(Some(format!("guest kernel {}, {} ({})", prep.kit.kernel_version, prep.accel.accel.as_str(), prep.accel.reason)))
     }
 
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
         CAPABILITIES.check_network(Tier::Vm, &spec.network)?;
+        let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
         let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
         spec.validate()?;
         // Cached after the first VM of an image: the kit, the KVM/TCG verdict and the disk.
-        let prep = self.tier.prepare(&image.name, &image.rootfs, &mut cordon_image::NoProgress).map_err(vm_err("prepare the VM"))?;
+        let prep = self.tier.prepare(&image.name, &image.layers, &mut cordon_image::NoProgress).map_err(vm_err("prepare the VM"))?;
         let cfg = crate::VmConfig {
             id: spec.id.clone(),
             limits: spec.limits.clone(),
             agent: cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref()),
         };
         let vm = self.tier.create(&cfg, &prep).map_err(vm_err("create the VM"))?;
-        Ok(Box::new(VmSandbox { vm, start: image.meta.start.clone() }))
+        Ok(Box::new(VmSandbox { vm, start: image.meta.start.clone(), _pin: pin }))
     }
 }

@@ -47,11 +47,26 @@ fn tree_usage(root: &Path) -> (u64, u64) {
 }
 
 /// The read-only disk of `image`, made from its tree on first use (and again when the image
-/// was rebuilt: the key is the tree's inode and mtime).
-pub fn root_disk(vm_dir: &Path, image: &str, rootfs: &Path, progress: &mut dyn Progress) -> Result<PathBuf, VmError> {
-    let m = fs::metadata(rootfs).map_err(|e| VmError::Disk(format!("image {image}: {}: {e}", rootfs.display())))?;
+/// was rebuilt: the key is the tree's inode and mtime, or for a layered image the digest of its
+/// layer list, whose directories are named by content).
+pub fn root_disk(vm_dir: &Path, image: &str, layers: &[PathBuf], progress: &mut dyn Progress) -> Result<PathBuf, VmError> {
     let dir = vm_dir.join("disks");
-    let path = dir.join(format!("{image}-{:x}-{:x}.ext4", m.ino(), m.mtime()));
+    let key = match layers {
+        [rootfs] => {
+            let m = fs::metadata(rootfs).map_err(|e| VmError::Disk(format!("image {image}: {}: {e}", rootfs.display())))?;
+            format!("{:x}-{:x}", m.ino(), m.mtime())
+        }
+        _ => {
+            use sha2::Digest as _;
+            let mut h = sha2::Sha256::new();
+            for l in layers {
+                h.update(l.as_os_str().as_encoded_bytes());
+                h.update([0]);
+            }
+            format!("{:x}", h.finalize())[..16].to_string()
+        }
+    };
+    let path = dir.join(format!("{image}-{key}.ext4"));
     if path.is_file() {
         return Ok(path);
     }
@@ -72,6 +87,12 @@ pub fn root_disk(vm_dir: &Path, image: &str, rootfs: &Path, progress: &mut dyn P
         return Ok(path);
     }
     progress.stage(0, 1, &format!("make the disk of image {image}"));
+    // A layered image is made into one tree first: its layers as a read-only overlay.
+    let merged = match layers {
+        [_] => None,
+        _ => Some(Merged::mount(&dir, layers).map_err(|e| VmError::Disk(format!("image {image}: mount its layers: {e}")))?),
+    };
+    let rootfs: &Path = merged.as_ref().map_or(layers[0].as_path(), |m| m.path.as_path());
     let (bytes, inodes) = tree_usage(rootfs);
     // ext4 metadata, directories and block rounding: a fifth more, plus room for small images.
     let size_mib = (bytes + bytes / 5) / (1 << 20) + 64;
@@ -103,6 +124,43 @@ pub fn root_disk(vm_dir: &Path, image: &str, rootfs: &Path, progress: &mut dyn P
     }
     tracing::debug!(image, disk = %path.display(), size_mib, "image disk made");
     Ok(path)
+}
+
+/// An image's layers as one read-only overlay on the host, for mkfs to copy; unmounted on drop.
+struct Merged {
+    path: PathBuf,
+}
+
+impl Merged {
+    fn mount(dir: &Path, layers: &[PathBuf]) -> std::io::Result<Merged> {
+        use std::ffi::CString;
+        let path = dir.join(format!(".merge-{}", std::process::id()));
+        let _ = fs::create_dir(&path);
+        // overlayfs lists lower layers top first; two or more lower layers and no upper make a
+        // read-only overlay.
+        let lower: Vec<String> = layers.iter().rev().map(|p| p.display().to_string()).collect();
+        let opts = CString::new(format!("lowerdir={}", lower.join(":"))).map_err(std::io::Error::other)?;
+        let target = CString::new(path.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
+        let (src, fstype) = (c"cordon-image", c"overlay");
+        // SAFETY: every pointer is a NUL-terminated string that outlives the call.
+        let rc = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), fstype.as_ptr(), libc::MS_RDONLY | libc::MS_NODEV | libc::MS_NOSUID, opts.as_ptr().cast()) };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            let _ = fs::remove_dir(&path);
+            return Err(e);
+        }
+        Ok(Merged { path })
+    }
+}
+
+impl Drop for Merged {
+    fn drop(&mut self) {
+        if let Ok(c) = std::ffi::CString::new(self.path.as_os_str().as_encoded_bytes()) {
+            // SAFETY: `c` is a NUL-terminated path that outlives the call.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+        let _ = fs::remove_dir(&self.path);
+    }
 }
 
 /// Makes the writable layer of one VM: a sparse file of `bytes`, ext4, owned by `uid`.

@@ -145,10 +145,10 @@ impl VmTier {
     }
 
     /// Builds (once) the kit, chooses the accelerator and makes (once) the image's disk.
-    pub fn prepare(&self, image: &str, rootfs: &Path, progress: &mut dyn Progress) -> Result<Prepared, VmError> {
+    pub fn prepare(&self, image: &str, layers: &[std::path::PathBuf], progress: &mut dyn Progress) -> Result<Prepared, VmError> {
         let kit = guest_kit::ensure(&self.vm_dir, &self.exe, progress)?;
         let accel = accel::choose(&self.vm_dir, &*self.vmm, &kit)?;
-        let root_disk = disk::root_disk(&self.vm_dir, image, rootfs, progress)?;
+        let root_disk = disk::root_disk(&self.vm_dir, image, layers, progress)?;
         Ok(Prepared { kit, accel, root_disk })
     }
 
