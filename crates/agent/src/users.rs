@@ -96,9 +96,26 @@ impl UserDb {
         UserDb { passwd, groups }
     }
 
-    /// Looks a user up by name, with its supplementary groups.
+    /// Looks a user up by name, with its supplementary groups. As in an OCI image config's
+    /// `User`, `UID` or `UID:GID` names a user by number, listed in /etc/passwd or not (an image
+    /// without one, distroless say).
     pub fn user(&self, name: &str) -> Option<User> {
-        let p = self.passwd.iter().find(|p| p.name == name)?;
+        let Some(p) = self.passwd.iter().find(|p| p.name == name) else {
+            let (uid, gid) = match name.split_once(':') {
+                Some((u, g)) => (u.parse::<u32>().ok()?, Some(g.parse::<u32>().ok()?)),
+                None => (name.parse::<u32>().ok()?, None),
+            };
+            if let Some(p) = self.passwd.iter().find(|p| p.uid == uid) {
+                let mut u = self.user(&p.name.clone())?;
+                if let Some(g) = gid {
+                    u.gid = g;
+                    u.groups = vec![g];
+                }
+                return Some(u);
+            }
+            let gid = gid.unwrap_or(uid);
+            return Some(User { name: uid.to_string(), uid, gid, home: PathBuf::from("/"), groups: vec![gid] });
+        };
         let mut groups = vec![p.gid];
         for g in &self.groups {
             if g.members.iter().any(|m| m == name) && !groups.contains(&g.gid) {
@@ -178,6 +195,13 @@ mod tests {
         assert_eq!(u.groups, vec![1000, 999]);
         assert_eq!(db.user("root").unwrap().groups, vec![0, 10]);
         assert!(db.user("nobody").is_none());
+        // By number, as an OCI config's User may say: a listed uid is that user...
+        assert_eq!(db.user("1000").unwrap().name, "user");
+        assert_eq!(db.user("1000:10").unwrap().gid, 10);
+        // ...and an unlisted one runs as itself.
+        let n = db.user("4321:99").unwrap();
+        assert_eq!((n.uid, n.gid, n.home.as_path()), (4321, 99, Path::new("/")));
+        assert!(db.user("12x").is_none() && db.user("1:x").is_none());
         assert_eq!(db.user_name(1000), Some("user"));
         assert_eq!(db.group_name(999), Some("docker"));
         assert_eq!(db.group_name(5), None);

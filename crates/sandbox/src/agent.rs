@@ -4,6 +4,16 @@ use std::path::PathBuf;
 
 use crate::SandboxSpec;
 
+/// The user commands run as unless they name one: the spec's, except that an OCI image's own
+/// `User` wins over cordon's default (`user`, which such an image rarely has).
+fn default_user(spec: &SandboxSpec, image: &cordon_image::Image) -> String {
+    if spec.user == SandboxSpec::default().user && !image.meta.layers.is_empty() {
+        image.meta.default_user.clone()
+    } else {
+        spec.user.clone()
+    }
+}
+
 /// The agent's configuration for `spec`: the image's environment, then the spec's.
 pub fn config(spec: &SandboxSpec, image: &cordon_image::Image, envd_version: Option<&str>) -> cordon_agent::AgentConfig {
     let mut env = image.meta.env.clone();
@@ -13,8 +23,8 @@ pub fn config(spec: &SandboxSpec, image: &cordon_image::Image, envd_version: Opt
     }
     cordon_agent::AgentConfig {
         sandbox_id: spec.id.clone(),
-        default_user: spec.user.clone(),
-        workdir: spec.workdir.clone(),
+        default_user: default_user(spec, image),
+        workdir: spec.workdir.clone().or_else(|| image.meta.workdir.clone()),
         env,
         root: PathBuf::from("/"),
         envd_version: envd_version.map(str::to_string),
