@@ -39,6 +39,7 @@ impl Store {
         let _store = self.layers.lock(false)?;
         self.layers.sweep();
         let total = plan.layers.len();
+        let mut pending = Vec::new();
         for (i, l) in plan.layers.iter().enumerate() {
             let label = format!("layer {}/{total} {}", i + 1, l.diff_id.short());
             if self.layers.has(&l.diff_id) {
@@ -47,10 +48,17 @@ impl Store {
             }
             progress.stage(i, total, &label);
             let reader = blobs.open(&l.blob).map_err(|e| err(format!("{label}: cannot read '{}' in it ({e})", l.blob)))?;
-            self.layers
-                .unpack(reader, &Expect { digest: l.digest.as_ref(), diff_id: &l.diff_id }, &mut crate::NoProgress)
-                .map_err(|e| err(format!("{label}: {e}")))?;
+            // The same layer twice in one image is unpacked once.
+            if pending.iter().any(|p: &crate::layers::Pending| p.info.diff_id == l.diff_id.as_str()) {
+                continue;
+            }
+            pending.push(
+                self.layers
+                    .unpack_pending(reader, &Expect { digest: l.digest.as_ref(), diff_id: &l.diff_id }, &mut crate::NoProgress)
+                    .map_err(|e| err(format!("{label}: {e}")))?,
+            );
         }
+        self.layers.install(pending).map_err(err)?;
         self.commit_layered(name, &plan, format!("import {}", path.display()), progress)
     }
 

@@ -57,6 +57,23 @@ pub struct LayerInfo {
     pub size_bytes: u64,
 }
 
+/// A layer unpacked and verified but not yet in place (see [`LayerStore::install`]).
+pub(crate) struct Pending {
+    tmp: Option<PathBuf>,
+    dest: PathBuf,
+    pub(crate) info: LayerInfo,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(tmp) = self.tmp.take() {
+            if let Err(e) = fsutil::remove_tree(&tmp) {
+                tracing::warn!(path = %tmp.display(), error = %e, "cannot delete an unpacked layer that was not installed");
+            }
+        }
+    }
+}
+
 /// What a layer blob must turn out to be.
 pub(crate) struct Expect<'a> {
     /// Digest of the blob as read (compressed), when the manifest gives one.
@@ -146,43 +163,66 @@ impl LayerStore {
 
     /// Unpacks the layer blob `input` (gzip, zstd or plain tar, told apart by its first bytes)
     /// and makes it layer `expect.diff_id`, verifying both digests over every byte. On any
-    /// error nothing is left behind. A layer that another process completed meanwhile is kept
-    /// and ours discarded.
+    /// error nothing is left behind.
+    #[cfg(test)]
     pub(crate) fn unpack(&self, input: impl Read, expect: &Expect<'_>, progress: &mut dyn Progress) -> Result<LayerInfo, String> {
+        let pending = self.unpack_pending(input, expect, progress)?;
+        let info = pending.info.clone();
+        self.install(vec![pending])?;
+        Ok(info)
+    }
+
+    /// [`LayerStore::unpack`] up to the point where the layer would appear: the caller
+    /// [`install`](LayerStore::install)s all of an image's layers once every one verified.
+    /// Dropped uninstalled, it is deleted.
+    pub(crate) fn unpack_pending(&self, input: impl Read, expect: &Expect<'_>, progress: &mut dyn Progress) -> Result<Pending, String> {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let hex = expect.diff_id.hex();
         let tmp = self.dir().join(format!("{TMP_PREFIX}{hex}-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
-        let result = self.unpack_into(&tmp, input, expect, progress);
-        match result {
-            Ok(info) => {
-                let dest = self.dir().join(hex);
-                match fs::rename(&tmp, &dest) {
-                    Ok(()) => {
-                        let _ = fsutil::sync_dir(&self.dir());
-                        Ok(info)
-                    }
-                    // Someone else finished the same layer first: theirs is as good.
-                    Err(e) if dest.join(INFO_FILE).exists() => {
-                        tracing::debug!(layer = %expect.diff_id, error = %e, "layer appeared meanwhile; keeping that one");
-                        let _ = fsutil::remove_tree(&tmp);
-                        Ok(info)
-                    }
-                    Err(e) => {
-                        let _ = fsutil::remove_tree(&tmp);
-                        Err(format!("cannot move layer {} into place: {e}", expect.diff_id.short()))
-                    }
-                }
-            }
-            Err(e) => {
-                if let Err(e) = fsutil::remove_tree(&tmp) {
-                    tracing::warn!(path = %tmp.display(), error = %e, "cannot delete a failed layer unpack");
-                }
-                Err(e)
-            }
-        }
+        let mut pending = Pending { tmp: Some(tmp), dest: self.dir().join(hex), info: LayerInfo { diff_id: String::new(), digest: None, size_bytes: 0 } };
+        pending.info = self.unpack_into(pending.tmp.as_deref().expect("just set"), input, expect, progress)?;
+        Ok(pending)
     }
 
+    /// Makes unpacked layers appear, each by one rename. A layer that another process completed
+    /// meanwhile is kept and ours discarded.
+    ///
+    /// Their contents are not forced to disk first: that flush (a `syncfs` of every dirty page
+    /// of the filesystem, the layer's hundreds of MiB and whatever else is being written) was
+    /// most of a pull's time, and neither Docker's overlay2 nor containerd's overlay snapshotter
+    /// pays it. A killed pull still leaves no partial layer; a power loss right after one may.
+    pub(crate) fn install(&self, pending: Vec<Pending>) -> Result<(), String> {
+        for mut p in pending {
+            let tmp = p.tmp.take().expect("not installed yet");
+            match fs::rename(&tmp, &p.dest) {
+                Ok(()) => {}
+                // Someone else finished the same layer first: theirs is as good.
+                Err(e) if p.dest.join(INFO_FILE).exists() => {
+                    tracing::debug!(layer = %p.info.diff_id, error = %e, "layer appeared meanwhile; keeping that one");
+                    let _ = fsutil::remove_tree(&tmp);
+                }
+                Err(e) => {
+                    let _ = fsutil::remove_tree(&tmp);
+                    return Err(format!("cannot move layer {} into place: {e}", p.info.diff_id));
+                }
+            }
+        }
+        let _ = fsutil::sync_dir(&self.dir());
+        Ok(())
+    }
+
+    /// Fills `tmp`; on error it is deleted.
     fn unpack_into(&self, tmp: &Path, input: impl Read, expect: &Expect<'_>, progress: &mut dyn Progress) -> Result<LayerInfo, String> {
+        let r = self.unpack_into_inner(tmp, input, expect, progress);
+        if r.is_err() {
+            if let Err(e) = fsutil::remove_tree(tmp) {
+                tracing::warn!(path = %tmp.display(), error = %e, "cannot delete a failed layer unpack");
+            }
+        }
+        r
+    }
+
+    fn unpack_into_inner(&self, tmp: &Path, input: impl Read, expect: &Expect<'_>, progress: &mut dyn Progress) -> Result<LayerInfo, String> {
         let diff = tmp.join(DIFF_DIR);
         for d in [tmp, &diff] {
             fs::DirBuilder::new().mode(0o755).create(d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
@@ -224,8 +264,6 @@ impl LayerStore {
         };
         let json = serde_json::to_vec_pretty(&info).expect("LayerInfo serializes");
         fs::write(tmp.join(INFO_FILE), json).map_err(|e| format!("cannot write {}: {e}", tmp.join(INFO_FILE).display()))?;
-        // The layer's contents must be on disk before its name appears.
-        fsutil::syncfs(tmp).map_err(|e| format!("cannot sync {}: {e}", tmp.display()))?;
         Ok(info)
     }
 

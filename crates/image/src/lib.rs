@@ -624,8 +624,12 @@ impl Store {
         .map_err(|e| ImageError::io(format!("cannot write {}", meta_path.display()), e))?;
         // Everything must be on disk before the name appears, or a power
         // loss could leave a valid-looking image with missing file contents.
-        fsutil::syncfs(staging)
-            .map_err(|e| ImageError::io(format!("cannot sync {}", staging.display()), e))?;
+        // (A layered image's staging dir holds only its image.json, synced
+        // above; its layers are the layer store's, see `LayerStore::install`.)
+        if meta.layers.is_empty() {
+            fsutil::syncfs(staging)
+                .map_err(|e| ImageError::io(format!("cannot sync {}", staging.display()), e))?;
+        }
 
         let dir = self.image_dir(name);
         let replaced = if fs::symlink_metadata(&dir).is_ok() {

@@ -189,9 +189,9 @@ pub(crate) fn pull(layers: &LayerStore, target: &Target, auth: &Auth, progress: 
         let plan = oci::plan(config.as_bytes(), descs).map_err(|e| format!("{reference}: {e}"))?;
         let total = plan.layers.len();
         let progress = RefCell::new(progress);
-        let mut todo = Vec::new();
+        let mut todo: Vec<(usize, oci::LayerRef, OciDescriptor)> = Vec::new();
         for (i, (l, desc)) in plan.layers.iter().zip(&manifest.layers).enumerate() {
-            if layers.has(&l.diff_id) {
+            if layers.has(&l.diff_id) || todo.iter().any(|(_, t, _)| t.diff_id == l.diff_id) {
                 progress.borrow_mut().line(&format!("layer {}/{total} {}: already present", i + 1, l.diff_id.short()));
             } else {
                 todo.push((i, l.clone(), desc.clone()));
@@ -226,7 +226,7 @@ async fn fetch_layer(
     let store = layers.clone();
     let (digest, diff_id) = (l.digest.clone(), l.diff_id.clone());
     let unpack = tokio::task::spawn_blocking(move || {
-        store.unpack(ChannelReader { rx, cur: Bytes::new() }, &Expect { digest: digest.as_ref(), diff_id: &diff_id }, &mut NoProgress)
+        store.unpack_pending(ChannelReader { rx, cur: Bytes::new() }, &Expect { digest: digest.as_ref(), diff_id: &diff_id }, &mut NoProgress)
     });
     let mut stream = sized.stream;
     let mut done = 0u64;
@@ -248,7 +248,11 @@ async fn fetch_layer(
     }
     drop(tx);
     let info = unpack.await.map_err(|e| format!("{label}: the unpack failed: {e}"))?.map_err(|e| format!("{label}: {e}"))?;
-    progress.borrow_mut().line(&format!("{label}: done ({} unpacked)", crate::human_size(info.size_bytes)));
+    let size = info.info.size_bytes;
+    // Each layer appears once it verified, so a pull cut short keeps the layers it completed
+    // and the next one fetches only the rest (the image itself appears only with all of them).
+    layers.install(vec![info]).map_err(|e| format!("{label}: {e}"))?;
+    progress.borrow_mut().line(&format!("{label}: done ({} unpacked)", crate::human_size(size)));
     Ok(())
 }
 
