@@ -40,7 +40,7 @@ venv_old="$here/.venv-old"
 port="$("$venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 key="e2b_$(printf '0%.0s' $(seq 40))"
 log="$(mktemp /tmp/cordon-serve-XXXXXX.log)"
-"$bin" serve --listen "127.0.0.1:$port" --api-key "$key" --max-sandboxes 50 >"$log" 2>&1 &
+"$bin" serve --listen "127.0.0.1:$port" --api-key "$key" --max-sandboxes 50 --prebuild base code-interpreter-v1 >"$log" 2>&1 &
 server=$!
 stop() {
     if kill -0 "$server" 2>/dev/null; then
@@ -49,8 +49,8 @@ stop() {
     fi
 }
 trap stop EXIT
-# A first start builds the default image before it listens (about a minute): wait while the
-# server lives, up to 15 minutes.
+# A first start builds the two images before it listens (--prebuild, a few minutes once): wait
+# while the server lives, up to 15 minutes.
 for _ in $(seq 9000); do
     "$venv/bin/python" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null && break
     kill -0 "$server" 2>/dev/null || { cat "$log" >&2; exit 1; }

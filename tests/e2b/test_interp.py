@@ -1,6 +1,6 @@
 """The code interpreter: the real `e2b-code-interpreter` package against `cordon serve`, with the
-`code-interpreter-v1` image (built on first use by the server when missing, which takes minutes
-once). One sandbox serves every test that only touches its own context; the memory bomb gets a
+`code-interpreter-v1` image (run.sh starts the server with --prebuild code-interpreter-v1, as a
+build on first use takes longer than the SDK's window of retries). One sandbox serves every test that only touches its own context; the memory bomb gets a
 context of its own in it, and a sandbox of its own only where it must."""
 
 import base64

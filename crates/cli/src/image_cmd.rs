@@ -97,21 +97,7 @@ pub fn main(state: &State, cmd: ImageCmd) -> Result<()> {
                     _ => return Err(crate::usage("--registry-auth: use USER:PASSWORD")),
                 },
             };
-            let mut bars = crate::progress::Items::new(&format!("pulling {reference}"));
-            let started = std::time::Instant::now();
-            match store.pull(&reference, name.as_deref(), &auth, &mut bars) {
-                Ok(img) => bars.finish(&format!(
-                    "image {} ({}, {} layers) in {:.1}s",
-                    img.name,
-                    cordon_spec::format_size(img.meta.size_bytes),
-                    img.layers.len(),
-                    started.elapsed().as_secs_f64()
-                )),
-                Err(e) => {
-                    bars.abandon();
-                    return Err(image_error(e));
-                }
-            }
+            pull(&store, &reference, name.as_deref(), &auth)?;
         }
         ImageCmd::Prune => {
             let p = store.prune().map_err(image_error)?;
@@ -142,6 +128,28 @@ pub fn main(state: &State, cmd: ImageCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Pulls `reference` with a bar per layer.
+pub fn pull(store: &Store, reference: &str, name: Option<&str>, auth: &cordon_image::Auth) -> Result<cordon_image::Image> {
+    let mut bars = crate::progress::Items::new(&format!("pulling {reference}"));
+    let started = std::time::Instant::now();
+    match store.pull(reference, name, auth, &mut bars) {
+        Ok(img) => {
+            bars.finish(&format!(
+                "image {} ({}, {} layers) in {:.1}s",
+                img.name,
+                cordon_spec::format_size(img.meta.size_bytes),
+                img.layers.len(),
+                started.elapsed().as_secs_f64()
+            ));
+            Ok(img)
+        }
+        Err(e) => {
+            bars.abandon();
+            Err(image_error(e))
+        }
+    }
 }
 
 /// Builds a recipe with a progress bar; returns quickly when the image is cached.

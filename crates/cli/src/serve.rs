@@ -41,6 +41,13 @@ pub struct ServeArgs {
     /// <state>/tls/ (made once); clients trust <state>/tls/ca.pem. Needs --domain.
     #[arg(long, requires = "domain")]
     tls_self_signed: bool,
+    /// Build or pull these images before serving (the server says it is listening only once
+    /// they are in): a built-in recipe such as `code-interpreter-v1`, or a registry reference
+    /// such as `127.0.0.1:5000/team/app:1.2` (stored under its default name). Without it, a
+    /// recipe's image is built on its first create, which is answered 503 with Retry-After
+    /// while the build runs.
+    #[arg(long, value_name = "IMAGE", num_args = 1..)]
+    prebuild: Vec<String>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -80,9 +87,15 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         _ => None,
     };
     let store = state.images()?;
-    if store.get("base").map_or(true, |img| store.is_stale(&img)) && cordon_image::recipes().contains(&"base") {
-        eprintln!("cordon serve: building the default image `base` first (about a minute, once)");
-        crate::image_cmd::build(&store, "base", &Default::default())?;
+    for name in &a.prebuild {
+        prebuild(&store, name)?;
+    }
+    let builds = cordon_server::first_build::FirstBuilds::default();
+    // The default template: built in the background, so that the server answers at once and
+    // the first create waits for it (or is told to retry) instead of finding no server.
+    if matches!(cordon_sandbox::image::lookup(&store, "base"), Ok(cordon_sandbox::image::Lookup::Build)) {
+        eprintln!("cordon serve: building the default image `base` in the background (about a minute, once; --prebuild base waits for it)");
+        builds.begin(&store, "base");
     }
     let api_key = match a.api_key.filter(|k| !k.is_empty()) {
         Some(k) => k,
@@ -118,7 +131,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     };
     let scheme = if tls.is_some() { "https" } else { "http" };
     let domain = a.domain.clone();
-    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: state.images()?, network_default, domain, tls });
+    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: state.images()?, network_default, domain, tls, builds: Some(builds) });
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -137,6 +150,27 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(0)
+}
+
+/// `--prebuild NAME`: a recipe built (or found built), a registry reference pulled, or an
+/// image already in the store.
+fn prebuild(store: &cordon_image::Store, name: &str) -> Result<()> {
+    if name.contains('/') {
+        crate::image_cmd::pull(store, name, None, &cordon_image::Auth::DockerConfig).with_context(|| format!("--prebuild {name}"))?;
+        return Ok(());
+    }
+    if cordon_image::recipes().contains(&name) {
+        crate::image_cmd::build(store, name, &Default::default())?;
+        return Ok(());
+    }
+    match store.get(name) {
+        Ok(_) => Ok(()),
+        Err(cordon_image::ImageError::NotFound { .. }) => Err(usage(format!(
+            "--prebuild {name}: no such image, and not a recipe ({}): give a recipe, an image of `cordon image ls`, or a registry reference REGISTRY/REPOSITORY[:TAG]",
+            cordon_image::recipes().join(", ")
+        ))),
+        Err(e) => Err(crate::image_cmd::image_error(e)),
+    }
 }
 
 /// Resolves on the first SIGTERM or SIGINT.

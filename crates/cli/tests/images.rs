@@ -441,3 +441,48 @@ fn rm_refuses_an_image_in_use_and_prune_keeps_shared_layers() {
     home.ok(&["image", "prune"]);
     assert!(home.layer_dirs().is_empty(), "{:?}", home.layer_dirs());
 }
+
+#[test]
+fn serve_prebuild_pulls_before_it_listens_and_refuses_what_it_cannot_find() {
+    require_tools!();
+    let home = Home::new();
+    let line = home.usage_error(&["serve", "--listen", "127.0.0.1:0", "--api-key", "k", "--prebuild", "nope"]);
+    assert!(line.contains("--prebuild nope"), "{line}");
+    let reference = format!("{}/bb:latest", shared());
+    let mut serve = home
+        .cordon(&["serve", "--listen", "127.0.0.1:0", "--api-key", "k", "--prebuild", &reference])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut seen = String::new();
+    let mut lines = BufReader::new(serve.stderr.take().unwrap()).lines();
+    for l in lines.by_ref() {
+        let l = l.unwrap();
+        seen.push_str(&l);
+        seen.push('\n');
+        if l.contains("listening on") {
+            break;
+        }
+    }
+    // Listening means the image is in.
+    let in_store = home.image("bb");
+    // SAFETY: kill has no memory-safety preconditions; the pid is our own child's.
+    unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) };
+    std::thread::spawn(move || lines.for_each(drop));
+    serve.wait().unwrap();
+    assert!(seen.contains("listening on"), "the server did not start:\n{seen}");
+    assert!(in_store.is_some_and(|i| i["layers"].as_array().unwrap().len() == 3), "bb was not pulled before the server listened:\n{seen}");
+    // The fresh state dir's `base` was being built in the background: that build ends with
+    // the server, and leaves no process behind.
+    let home_path = home.0.path().to_string_lossy().into_owned();
+    let building = || -> Vec<String> {
+        host_processes()
+            .into_iter()
+            .filter_map(|p| std::fs::read(format!("/proc/{p}/cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.contains(&home_path))
+            .collect()
+    };
+    assert!(wait_until(Duration::from_secs(30), || building().is_empty()), "processes of the stopped server's build remain: {:?}", building());
+}

@@ -224,10 +224,23 @@ pub(crate) fn run_logged(
 }
 
 fn base_command(program: &Path) -> Command {
+    use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(program);
     cmd.env("PATH", DEFAULT_PATH)
         .env("LC_ALL", "C.UTF-8")
         .env("DEBIAN_FRONTEND", "noninteractive");
+    // A build outlives no cordon: a server stopped while it builds in the background must not
+    // leave mmdebstrap writing on (SIGTERM, so that it removes its own temporary files). The
+    // signal follows the spawning thread, which waits for the child to the end.
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     cmd
 }
 

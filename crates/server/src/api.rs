@@ -208,6 +208,9 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
         Some(n) => crate::traffic::Traffic::new(n.allow_public_traffic, n.mask_request_host.clone())?,
         None => Default::default(),
     };
+    if let Some(builds) = &app.builds {
+        builds.ready(&app.images, &template).await?;
+    }
     let entry = app
         .sandboxes
         .create(NewSandbox {

@@ -23,11 +23,13 @@ pub struct ApiError {
     pub message: String,
     /// `Should-Retry: false` tells the SDK's retrying transport not to retry 429/502/503.
     pub no_retry: bool,
+    /// `Retry-After` seconds, for a 503 the SDKs should retry by themselves.
+    pub retry_after: Option<u32>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), no_retry: false }
+        ApiError { status, message: message.into(), no_retry: false, retry_after: None }
     }
 
     pub fn bad_request(message: impl Into<String>) -> ApiError {
@@ -56,6 +58,9 @@ impl ApiError {
         let mut r = json_response(self.status, &body);
         if self.no_retry {
             r.headers_mut().insert("should-retry", HeaderValue::from_static("false"));
+        }
+        if let Some(secs) = self.retry_after {
+            r.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from(secs));
         }
         r
     }

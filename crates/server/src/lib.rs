@@ -15,6 +15,7 @@ pub mod agent_link;
 pub mod api;
 pub mod auth;
 pub mod error;
+pub mod first_build;
 pub mod lifecycle;
 pub mod metrics;
 pub mod network;
@@ -74,6 +75,9 @@ pub struct App {
     pub domain: Option<String>,
     /// TLS on the listener, when configured (see [`tls`]).
     pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Recipes' images being built for the creates that asked for them; `None` leaves the
+    /// first use of a recipe to the backend (which then builds it inside the create).
+    pub builds: Option<first_build::FirstBuilds>,
 }
 
 impl App {
