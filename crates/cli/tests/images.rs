@@ -266,6 +266,19 @@ fn a_pulled_image_runs_on_the_gvisor_tier() {
 }
 
 #[test]
+fn a_pulled_image_runs_on_the_vm_tier() {
+    require_tools!();
+    if let Some(why) = Tier::Vm.unavailable() {
+        skip(&why);
+        return;
+    }
+    let home = Home::new();
+    home.ok(&["image", "pull", &format!("{}/bb:latest", shared())]);
+    let (code, stdout, stderr) = home.run("bb", &["--tier", "vm"], &["sh", "-c", BB_PROBE]);
+    assert_eq!((code, stdout.as_str()), (0, BB_SEES), "{stderr}");
+}
+
+#[test]
 fn an_index_resolves_to_linux_amd64() {
     require_tools!();
     let home = Home::new();
