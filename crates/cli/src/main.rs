@@ -155,7 +155,10 @@ fn init_tracing(verbose: u8) {
         _ => "debug",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).without_time().try_init();
+    // Colour only on a terminal: a server's log is often a file.
+    use std::io::IsTerminal as _;
+    let ansi = std::io::stderr().is_terminal();
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).without_time().try_init();
 }
 
 /// Resolves on the first SIGTERM or SIGINT with its name; never, if the handlers cannot be

@@ -85,10 +85,15 @@ fn docker_config_auth(registry: &str) -> Result<RegistryAuth, String> {
 }
 
 /// A registry error as one line that says what to do.
-fn registry_error(reference: &Reference, e: oci_client::errors::OciDistributionError) -> String {
+/// `anonymous`: no credentials were sent (the hint then says the registry needs some).
+fn registry_error(reference: &Reference, anonymous: bool, e: oci_client::errors::OciDistributionError) -> String {
     use oci_client::errors::OciDistributionError as E;
     let registry = reference.resolve_registry();
-    let auth_hint = format!("the registry {registry} refused the credentials: pass --registry-auth USER:PASSWORD, or add {registry} to the Docker config");
+    let auth_hint = if anonymous {
+        format!("the registry {registry} needs credentials: pass --registry-auth USER:PASSWORD, or add {registry} to the Docker config (docker login {registry})")
+    } else {
+        format!("the registry {registry} refused the credentials given: check them (--registry-auth USER:PASSWORD, or the Docker config's entry for {registry})")
+    };
     let text = match &e {
         E::AuthenticationFailure(_) => auth_hint,
         E::ServerError { code: 401 | 403, .. } | E::UnauthorizedError { .. } => auth_hint,
@@ -176,7 +181,7 @@ pub(crate) fn pull(layers: &LayerStore, target: &Target, auth: &Auth, progress: 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("cannot start the pull's runtime: {e}"))?;
     rt.block_on(async {
         progress.line(&format!("resolving {reference}"));
-        let (manifest, manifest_digest, config) = client.pull_manifest_and_config(reference, &auth).await.map_err(|e| registry_error(reference, e))?;
+        let (manifest, manifest_digest, config) = client.pull_manifest_and_config(reference, &auth).await.map_err(|e| registry_error(reference, matches!(auth, RegistryAuth::Anonymous), e))?;
         let config_digest = Digest::parse(&manifest.config.digest)?;
         if digest::of_bytes(config.as_bytes()) != config_digest {
             return Err(format!("the config of {reference} does not match its digest {config_digest}: the registry sent corrupt data"));
@@ -220,7 +225,7 @@ async fn fetch_layer(
     desc: OciDescriptor,
 ) -> Result<(), String> {
     let label = format!("layer {}/{total} {}", i + 1, l.diff_id.short());
-    let sized = client.pull_blob_stream(reference, &desc).await.map_err(|e| format!("{label}: {}", registry_error(reference, e)))?;
+    let sized = client.pull_blob_stream(reference, &desc).await.map_err(|e| format!("{label}: {}", registry_error(reference, false, e)))?;
     let size = sized.content_length.or(l.size);
     let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(64);
     let store = layers.clone();
