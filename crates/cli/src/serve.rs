@@ -131,7 +131,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     };
     let scheme = if tls.is_some() { "https" } else { "http" };
     let domain = a.domain.clone();
-    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: state.images()?, network_default, domain, tls, builds: Some(builds) });
+    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds) });
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

@@ -11,7 +11,7 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/images/registry.py");
@@ -113,15 +113,14 @@ impl Drop for Registry {
 
 /// The registry most tests share (anonymous, nothing cut or corrupted).
 fn shared() -> &'static str {
-    static REG: OnceLock<Mutex<Registry>> = OnceLock::new();
-    let reg = REG.get_or_init(|| {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(|| {
         // Never dropped: its storage goes next to the images, rebuilt by the next run.
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("images-registry");
         let _ = std::fs::remove_dir_all(&dir);
-        Mutex::new(Registry::start_in(&dir, &[]))
-    });
-    let addr = reg.lock().unwrap().addr().to_string();
-    Box::leak(addr.into_boxed_str())
+        Registry::start_in(&dir, &[])
+    })
+    .addr()
 }
 
 /// A directory removed when dropped; searchable by others, as a state dir must be.
@@ -208,12 +207,16 @@ fn present(progress: &str) -> usize {
     progress.lines().filter(|l| l.contains(": layer ") && l.ends_with(": already present")).count()
 }
 
-fn diff_hexes(image: &str) -> Vec<String> {
-    let info = image_info();
-    let mut v: Vec<String> = info[image]["diff_ids"].as_array().unwrap().iter().map(|d| d.as_str().unwrap()[7..].to_string()).collect();
+/// The layer store's names (diff_id hex, sorted, once each) of an image of images.json.
+fn hexes(image: &Value) -> Vec<String> {
+    let mut v: Vec<String> = image["diff_ids"].as_array().unwrap().iter().map(|d| d.as_str().unwrap()[7..].to_string()).collect();
     v.sort();
     v.dedup();
     v
+}
+
+fn diff_hexes(image: &str) -> Vec<String> {
+    hexes(&image_info()[image])
 }
 
 /// What bb's config and layers make of a sandbox: Env, WorkingDir, User (by name, uid 1234),
@@ -252,29 +255,18 @@ fn a_pulled_image_runs_with_its_config_and_its_whiteouts() {
     assert_eq!(present(&progress), 3, "{progress}");
 }
 
-#[test]
-fn a_pulled_image_runs_on_the_gvisor_tier() {
-    require_tools!();
-    if let Some(why) = Tier::Gvisor.unavailable() {
-        skip(&why);
-        return;
-    }
-    let home = Home::new();
-    home.ok(&["image", "pull", &format!("{}/bb:latest", shared())]);
-    let (code, stdout, stderr) = home.run("bb", &["--tier", "gvisor"], &["sh", "-c", BB_PROBE]);
-    assert_eq!((code, stdout.as_str()), (0, BB_SEES), "{stderr}");
-}
+// The other tiers, each skipping (with its reason) where the host cannot run it.
+tier_tests!(gvisor, Gvisor, a_pulled_image_runs_on_the_tier);
+tier_tests!(vm, Vm, a_pulled_image_runs_on_the_tier);
 
-#[test]
-fn a_pulled_image_runs_on_the_vm_tier() {
-    require_tools!();
-    if let Some(why) = Tier::Vm.unavailable() {
+fn a_pulled_image_runs_on_the_tier(t: Tier) {
+    if let Some(why) = missing_tools() {
         skip(&why);
         return;
     }
     let home = Home::new();
     home.ok(&["image", "pull", &format!("{}/bb:latest", shared())]);
-    let (code, stdout, stderr) = home.run("bb", &["--tier", "vm"], &["sh", "-c", BB_PROBE]);
+    let (code, stdout, stderr) = home.run("bb", &t.flags(&[]), &["sh", "-c", BB_PROBE]);
     assert_eq!((code, stdout.as_str()), (0, BB_SEES), "{stderr}");
 }
 
@@ -285,9 +277,7 @@ fn an_index_resolves_to_linux_amd64() {
     home.ok(&["image", "pull", &format!("{}/multi:latest", shared())]);
     let (code, stdout, stderr) = home.run("multi", &[], &["sh", "-c", "cat /arch; ls /only-arm64 >/dev/null 2>&1 || echo no-arm64"]);
     assert_eq!((code, stdout.as_str()), (0, "amd64\nno-arm64\n"), "{stderr}");
-    let info = image_info();
-    let amd64: Vec<String> = info["multi"]["amd64"]["diff_ids"].as_array().unwrap().iter().map(|d| d.as_str().unwrap()[7..].to_string()).collect();
-    assert_eq!(home.layer_dirs(), amd64, "only the amd64 image's layers were fetched");
+    assert_eq!(home.layer_dirs(), hexes(&image_info()["multi"]["amd64"]), "only the amd64 image's layers were fetched");
 }
 
 #[test]

@@ -42,16 +42,13 @@ impl Store {
         let mut pending = Vec::new();
         for (i, l) in plan.layers.iter().enumerate() {
             let label = format!("layer {}/{total} {}", i + 1, l.diff_id.short());
-            if self.layers.has(&l.diff_id) {
+            // The same layer twice in one image is unpacked once, as in a pull.
+            if self.layers.has(&l.diff_id) || pending.iter().any(|p: &crate::layers::Pending| p.info.diff_id == l.diff_id.as_str()) {
                 progress.line(&format!("{label}: already present"));
                 continue;
             }
             progress.stage(i, total, &label);
             let reader = blobs.open(&l.blob).map_err(|e| err(format!("{label}: cannot read '{}' in it ({e})", l.blob)))?;
-            // The same layer twice in one image is unpacked once.
-            if pending.iter().any(|p: &crate::layers::Pending| p.info.diff_id == l.diff_id.as_str()) {
-                continue;
-            }
             pending.push(
                 self.layers
                     .unpack_pending(reader, &Expect { digest: l.digest.as_ref(), diff_id: &l.diff_id }, &mut crate::NoProgress)

@@ -179,9 +179,15 @@ impl LayerStore {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let hex = expect.diff_id.hex();
         let tmp = self.dir().join(format!("{TMP_PREFIX}{hex}-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
-        let mut pending = Pending { tmp: Some(tmp), dest: self.dir().join(hex), info: LayerInfo { diff_id: String::new(), digest: None, size_bytes: 0 } };
-        pending.info = self.unpack_into(pending.tmp.as_deref().expect("just set"), input, expect, progress)?;
-        Ok(pending)
+        match self.unpack_into(&tmp, input, expect, progress) {
+            Ok(info) => Ok(Pending { tmp: Some(tmp), dest: self.dir().join(hex), info }),
+            Err(e) => {
+                if let Err(e) = fsutil::remove_tree(&tmp) {
+                    tracing::warn!(path = %tmp.display(), error = %e, "cannot delete a failed layer unpack");
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Makes unpacked layers appear, each by one rename. A layer that another process completed
@@ -211,18 +217,8 @@ impl LayerStore {
         Ok(())
     }
 
-    /// Fills `tmp`; on error it is deleted.
+    /// Fills `tmp` (the caller deletes it on error).
     fn unpack_into(&self, tmp: &Path, input: impl Read, expect: &Expect<'_>, progress: &mut dyn Progress) -> Result<LayerInfo, String> {
-        let r = self.unpack_into_inner(tmp, input, expect, progress);
-        if r.is_err() {
-            if let Err(e) = fsutil::remove_tree(tmp) {
-                tracing::warn!(path = %tmp.display(), error = %e, "cannot delete a failed layer unpack");
-            }
-        }
-        r
-    }
-
-    fn unpack_into_inner(&self, tmp: &Path, input: impl Read, expect: &Expect<'_>, progress: &mut dyn Progress) -> Result<LayerInfo, String> {
         let diff = tmp.join(DIFF_DIR);
         for d in [tmp, &diff] {
             fs::DirBuilder::new().mode(0o755).create(d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;

@@ -50,31 +50,25 @@ impl FirstBuilds {
     /// build runs; the build's error, once, when it failed (the next create tries again).
     pub async fn ready(&self, store: &Store, template: &str) -> Result<(), ApiError> {
         let deadline = Instant::now() + HOLD;
-        loop {
-            match lookup(store, template) {
-                Ok(Lookup::Build) => {}
-                // Built, or for the create to refuse with its own words.
-                Ok(Lookup::Ready(_)) | Err(_) => return Ok(()),
-            }
+        // Built, or not a recipe (for the create to refuse in its own words): nothing to wait for.
+        while matches!(lookup(store, template), Ok(Lookup::Build)) {
             let build = self.start(store, template);
-            let state = build.state.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            match state {
-                State::Done => {
-                    self.forget(template, &build);
-                    // Built: the lookup above sees it now (or the build was of an older
-                    // recipe than the store's, which starts a new one).
-                    if !matches!(lookup(store, template), Ok(Lookup::Build)) {
-                        return Ok(());
+            loop {
+                let state = build.state.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                match state {
+                    // The store has it now, unless it went again since (the lookup says).
+                    State::Done => {
+                        self.forget(template, &build);
+                        break;
                     }
-                }
-                State::Failed(e) => {
-                    self.forget(template, &build);
-                    return Err(ApiError::internal(format!(
-                        "building the image of template '{template}' failed: {e}; the next create of it tries again"
-                    )));
-                }
-                State::Running { index, total, stage } => {
-                    if Instant::now() >= deadline {
+                    State::Failed(e) => {
+                        self.forget(template, &build);
+                        return Err(ApiError::internal(format!(
+                            "building the image of template '{template}' failed: {e}; the next create of it tries again"
+                        )));
+                    }
+                    State::Running { .. } if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+                    State::Running { index, total, stage } => {
                         let step = if total > 0 { format!("step {}/{total}: {stage}", index + 1) } else { "starting".to_string() };
                         return Err(ApiError {
                             retry_after: Some(RETRY_AFTER_SECS),
@@ -89,10 +83,10 @@ impl FirstBuilds {
                             )
                         });
                     }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
         }
+        Ok(())
     }
 
     /// Starts building `template` in the background (at server start, so that the first create
