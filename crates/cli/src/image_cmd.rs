@@ -9,15 +9,32 @@ use std::path::PathBuf;
 
 #[derive(Subcommand)]
 pub enum ImageCmd {
-    /// Build an image from a built-in recipe (e.g. `base`); cached unless --rebuild.
+    /// Build an image: from a built-in recipe (e.g. `base`; cached unless --rebuild), or with
+    /// `-f` from a Dockerfile, each RUN in a sandbox, each step a cached layer.
     Build {
         name: String,
-        /// Build again even if the image exists.
+        /// Build again even if the image exists (recipes).
         #[arg(long)]
         rebuild: bool,
         /// Debian mirror to build from (default: CORDON_DEBIAN_MIRROR or Debian's).
         #[arg(long)]
         mirror: Option<String>,
+        /// The Dockerfile to build.
+        #[arg(long = "file", short = 'f')]
+        file: Option<PathBuf>,
+        /// The build context COPY reads from (default: the Dockerfile's directory).
+        #[arg(long, requires = "file")]
+        context: Option<PathBuf>,
+        /// A build argument (repeatable).
+        #[arg(long = "build-arg", value_name = "KEY=VALUE", requires = "file")]
+        build_arg: Vec<String>,
+        /// Open egress for RUN steps (repeatable), as `cordon run --allow-net` (e.g. a package
+        /// index); closed by default.
+        #[arg(long = "allow-net", value_name = "RULE", requires = "file")]
+        allow_net: Vec<String>,
+        /// Run every step again instead of taking it from the step cache.
+        #[arg(long, requires = "file")]
+        no_cache: bool,
     },
     /// Import an image: an OCI image layout (directory or tar), a `docker save` archive, or a
     /// rootfs tarball (e.g. from `docker export`).
@@ -73,7 +90,10 @@ pub fn image_error(e: ImageError) -> anyhow::Error {
 pub fn main(state: &State, cmd: ImageCmd) -> Result<()> {
     let store = state.images()?;
     match cmd {
-        ImageCmd::Build { name, rebuild, mirror } => {
+        ImageCmd::Build { name, file: Some(file), context, build_arg, allow_net, no_cache, .. } => {
+            crate::dockerfile::main(state, &store, name, file, context, build_arg, allow_net, no_cache)?;
+        }
+        ImageCmd::Build { name, rebuild, mirror, file: None, .. } => {
             build(&store, &name, &BuildOptions { rebuild, mirror })?;
         }
         ImageCmd::Import { name, path, tag } => {

@@ -8,6 +8,7 @@
 
 mod copy;
 mod doctor;
+mod dockerfile;
 mod image_cmd;
 mod mcp;
 mod preflight;

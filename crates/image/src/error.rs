@@ -92,6 +92,16 @@ pub enum ImageError {
         reason: String,
     },
 
+    /// A tree (a build step's files, an image adopted as a build's base) could not be made a
+    /// layer.
+    #[error("cannot make a layer of {what}: {reason}")]
+    Layer {
+        /// What was to become a layer.
+        what: String,
+        /// What went wrong.
+        reason: String,
+    },
+
     /// The image cannot be changed while sandboxes use it.
     #[error("image '{name}' is {what}: stop the sandboxes that use it (cordon ps) and try again")]
     InUse {

@@ -4,14 +4,12 @@
 //! is held shared from the first layer to that rename, so a prune cannot take a layer an image
 //! is about to name.
 
-use std::fs;
-use std::io::Write;
 use std::path::Path;
 
 use crate::layers::Expect;
 use crate::oci::{self, Blobs, Input, Plan};
 use crate::pull::{self, Auth, Target};
-use crate::{fsutil, now_unix, validate_name, Image, ImageError, ImageMeta, Progress, Store, META_FILE};
+use crate::{now_unix, validate_name, Image, ImageError, ImageMeta, Progress, Store};
 
 impl Store {
     /// Imports `path` as image `name`: an OCI image layout (directory or tar), a `docker save`
@@ -78,18 +76,14 @@ impl Store {
         self.commit_layered(&name, &pulled.plan, format!("pull {} ({})", target.reference, pulled.manifest_digest), progress)
     }
 
-    /// Writes the image.json of a layered image whose layers are all in the store and moves it
-    /// into place as `name` (replacing an image of that name atomically).
+    /// Names a layered image whose layers are all in the store as `name`, with its config.
     fn commit_layered(&self, name: &str, plan: &Plan, source: String, progress: &mut dyn Progress) -> Result<Image, ImageError> {
-        let _lock = self.lock(name, progress)?;
-        self.sweep_staging(name)?;
         let s = &plan.settings;
-        let size: u64 = plan.layers.iter().filter_map(|l| self.layers.info(&l.diff_id)).map(|i| i.size_bytes).sum();
         let meta = ImageMeta {
             name: name.into(),
             created_unix: now_unix(),
             source,
-            size_bytes: size,
+            size_bytes: 0,
             env: if s.env.is_empty() { vec![("PATH".into(), crate::recipe::DEFAULT_PATH.into())] } else { s.env.clone() },
             // OCI's default user is root.
             default_user: s.user.clone().unwrap_or_else(|| "root".into()),
@@ -101,23 +95,6 @@ impl Store {
             cmd: s.cmd.clone(),
             exposed_ports: s.exposed_ports.clone(),
         };
-        let staging = self.staging_dir(name);
-        let result = crate::create_dir(&staging).and_then(|()| {
-            let path = staging.join(META_FILE);
-            let json = serde_json::to_vec_pretty(&meta).expect("ImageMeta serializes");
-            (|| -> std::io::Result<()> {
-                let mut f = fs::File::create(&path)?;
-                f.write_all(&json)?;
-                f.write_all(b"\n")?;
-                f.sync_all()
-            })()
-            .map_err(|e| ImageError::io(format!("cannot write {}", path.display()), e))?;
-            self.finish(name, &staging, meta, &mut |l| progress.line(l))
-        });
-        if result.is_err() {
-            self.discard(&staging);
-        }
-        let _ = fsutil::sync_dir(&self.root);
-        result
+        self.commit(name, meta, progress)
     }
 }

@@ -115,6 +115,11 @@ impl LayerStore {
         self.root.join("sha256")
     }
 
+    /// `<state>/layers`.
+    pub(crate) fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// The unpacked tree of layer `diff_id`.
     pub(crate) fn diff_path(&self, diff_id: &Digest) -> PathBuf {
         self.dir().join(diff_id.hex()).join(DIFF_DIR)
@@ -176,11 +181,25 @@ impl LayerStore {
     /// [`install`](LayerStore::install)s all of an image's layers once every one verified.
     /// Dropped uninstalled, it is deleted.
     pub(crate) fn unpack_pending(&self, input: impl Read, expect: &Expect<'_>, progress: &mut dyn Progress) -> Result<Pending, String> {
+        self.unpack_checked(input, expect.digest, Some(expect.diff_id), progress)
+    }
+
+    /// Unpacks a layer tar made here (an image build's step) whose diff_id is what it turns
+    /// out to be: the same confined unpack as a pulled layer's, since a build step's files are
+    /// as untrusted as a registry's.
+    pub(crate) fn unpack_new(&self, input: impl Read, progress: &mut dyn Progress) -> Result<Pending, String> {
+        self.unpack_checked(input, None, None, progress)
+    }
+
+    fn unpack_checked(&self, input: impl Read, digest: Option<&Digest>, diff_id: Option<&Digest>, progress: &mut dyn Progress) -> Result<Pending, String> {
         static SEQ: AtomicU32 = AtomicU32::new(0);
-        let hex = expect.diff_id.hex();
+        let hex = diff_id.map_or("new", |d| d.hex());
         let tmp = self.dir().join(format!("{TMP_PREFIX}{hex}-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
-        match self.unpack_into(&tmp, input, expect, progress) {
-            Ok(info) => Ok(Pending { tmp: Some(tmp), dest: self.dir().join(hex), info }),
+        match self.unpack_into(&tmp, input, digest, diff_id, progress) {
+            Ok(info) => {
+                let dest = self.dir().join(info.diff_id.trim_start_matches("sha256:"));
+                Ok(Pending { tmp: Some(tmp), dest, info })
+            }
             Err(e) => {
                 if let Err(e) = fsutil::remove_tree(&tmp) {
                     tracing::warn!(path = %tmp.display(), error = %e, "cannot delete a failed layer unpack");
@@ -218,7 +237,7 @@ impl LayerStore {
     }
 
     /// Fills `tmp` (the caller deletes it on error).
-    fn unpack_into(&self, tmp: &Path, input: impl Read, expect: &Expect<'_>, progress: &mut dyn Progress) -> Result<LayerInfo, String> {
+    fn unpack_into(&self, tmp: &Path, input: impl Read, want_digest: Option<&Digest>, want_diff_id: Option<&Digest>, progress: &mut dyn Progress) -> Result<LayerInfo, String> {
         let diff = tmp.join(DIFF_DIR);
         for d in [tmp, &diff] {
             fs::DirBuilder::new().mode(0o755).create(d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
@@ -241,21 +260,22 @@ impl LayerStore {
         };
         blob.drain().map_err(|e| read_error(&e))?;
         let digest_seen = blob.finish();
-        if let Some(want) = expect.digest {
+        if let Some(want) = want_digest {
             if &digest_seen != want {
                 return Err(format!("layer {} does not match its digest: expected {want}, got {digest_seen} (the blob is corrupt or was tampered with)", want.short()));
             }
         }
-        if &diff_id_seen != expect.diff_id {
-            return Err(format!(
-                "layer {} does not match the image config's diff_id: expected {}, got {diff_id_seen} (the image is corrupt or was tampered with)",
-                expect.diff_id.short(),
-                expect.diff_id
-            ));
+        if let Some(want) = want_diff_id {
+            if &diff_id_seen != want {
+                return Err(format!(
+                    "layer {} does not match the image config's diff_id: expected {want}, got {diff_id_seen} (the image is corrupt or was tampered with)",
+                    want.short(),
+                ));
+            }
         }
         let info = LayerInfo {
-            diff_id: expect.diff_id.to_string(),
-            digest: expect.digest.map(|d| d.to_string()),
+            diff_id: diff_id_seen.to_string(),
+            digest: want_digest.map(|d| d.to_string()),
             size_bytes: fsutil::tree_size(&diff).unwrap_or(0),
         };
         let json = serde_json::to_vec_pretty(&info).expect("LayerInfo serializes");

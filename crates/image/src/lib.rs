@@ -13,6 +13,7 @@
 //! read-only, below an overlay.
 
 mod build;
+mod built;
 mod digest;
 mod error;
 mod fsutil;
@@ -22,6 +23,7 @@ mod layers;
 mod oci;
 mod pull;
 mod recipe;
+mod tree_tar;
 
 use std::fs;
 use std::io::{self, Write};
@@ -32,6 +34,7 @@ use serde::{Deserialize, Serialize};
 
 pub use digest::Digest;
 pub use error::ImageError;
+pub use built::LayerHold;
 pub use layers::LayerInfo;
 pub use pull::Auth;
 

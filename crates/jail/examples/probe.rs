@@ -32,6 +32,7 @@ fn main() {
             audit: false,
             tun: false,
             connect_ports: None,
+            writable: None,
         })
         .unwrap();
     eprintln!("created in {:?}, pid {}, uid base {}", t.elapsed(), sb.host_pid(), sb.uid_base());

@@ -17,9 +17,7 @@ pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Ti
 
 /// Opens the tier, reaping what a crashed cordon left of it.
 pub fn open(host: &Host) -> Result<Arc<dyn Backend>, Error> {
-    let store = cordon_image::Store::open(&host.state_dir).map_err(|e| Error::failed("open the image store", e))?;
-    let jail = Jail::open(&host.state_dir, host.exe.clone()).map_err(|e| Error::Unavailable(e.to_string()))?;
-    Ok(Arc::new(JailBackend { jail, store, envd_version: host.envd_version.clone(), dns_upstream: host.dns_upstream }))
+    Ok(Arc::new(JailBackend::open(host)?))
 }
 
 /// The `ns` tier: images from the store, sandboxes from the jail.
@@ -50,8 +48,37 @@ impl Backend for JailBackend {
         // Pinned before it is looked up, so it cannot be removed between the two.
         let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
         let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
+        self.create_from(spec, &image, pin, None).map(|(sb, _)| sb)
+    }
+}
+
+/// A sandbox of an image build step (see [`JailBackend::create_build`]).
+pub struct BuildSandbox {
+    pub sandbox: Box<dyn cordon_sandbox::Sandbox>,
+    /// Sandbox uid N is host uid `uid_base + N`, also in the kept writable layer.
+    pub uid_base: u32,
+}
+
+impl JailBackend {
+    /// A sandbox of `image` (an image being built: its layers so far, not a store name) whose
+    /// writable layer is kept at `writable` (see [`crate::SandboxConfig::writable`]); `pin` is
+    /// the hold on the store image the build started from. Everything else is as any sandbox
+    /// of `spec`: the same jail, filter, caps and egress policy.
+    pub fn create_build(&self, spec: &SandboxSpec, image: &cordon_image::Image, pin: cordon_image::Pin, writable: &std::path::Path) -> Result<BuildSandbox, Error> {
+        let (sandbox, uid_base) = self.create_from(spec, image, pin, Some(writable.to_owned()))?;
+        Ok(BuildSandbox { sandbox, uid_base })
+    }
+
+    /// Opens the ns tier for image builds, as [`open`] does for sandboxes.
+    pub fn open(host: &Host) -> Result<JailBackend, Error> {
+        let store = cordon_image::Store::open(&host.state_dir).map_err(|e| Error::failed("open the image store", e))?;
+        let jail = Jail::open(&host.state_dir, host.exe.clone()).map_err(|e| Error::Unavailable(e.to_string()))?;
+        Ok(JailBackend { jail, store, envd_version: host.envd_version.clone(), dns_upstream: host.dns_upstream })
+    }
+
+    fn create_from(&self, spec: &SandboxSpec, image: &cordon_image::Image, pin: cordon_image::Pin, writable: Option<std::path::PathBuf>) -> Result<(Box<dyn cordon_sandbox::Sandbox>, u32), Error> {
         spec.validate()?;
-        let mut agent_cfg = cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref());
+        let mut agent_cfg = cordon_sandbox::agent::config(spec, image, self.envd_version.as_deref());
         // With ptrace off, no command may open another's memory through /proc either.
         agent_cfg.isolate_commands = !spec.allow_ptrace;
         let cfg = crate::SandboxConfig {
@@ -63,10 +90,12 @@ impl Backend for JailBackend {
             audit: spec.audit,
             tun: spec.network.is_enabled(),
             connect_ports: landlock_ports(&spec.network),
+            writable,
         };
         let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
+        let uid_base = sandbox.uid_base();
         let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
         let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, crate::tun::MTU, self.dns_upstream, &sandbox.cgroup, &spec.limits)?;
-        Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }))
+        Ok((Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }), uid_base))
     }
 }

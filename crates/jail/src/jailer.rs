@@ -41,6 +41,9 @@ pub struct JailerConfig {
     /// The image's layers, bottom first.
     pub layers: Vec<PathBuf>,
     pub staging: PathBuf,
+    /// `staging` is already a tmpfs the host mounted (a kept writable layer): use it as is.
+    #[serde(default)]
+    pub premounted: bool,
     pub socket: PathBuf,
     pub uid_base: u32,
     pub uid_count: u32,
@@ -286,6 +289,7 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     sys::become_root()?;
     rootfs::enter(rootfs::RootPlan {
         staging: &cfg.staging,
+        premounted: cfg.premounted,
         image,
         disk_bytes: cfg.disk_bytes,
         hostname: &cfg.id,

@@ -75,6 +75,24 @@ pub struct SandboxConfig {
     /// TCP ports Landlock lets the sandbox connect to, as a second layer under the netns;
     /// `None` leaves TCP to the netns alone (see `landlock`).
     pub connect_ports: Option<Vec<(u16, u16)>>,
+    /// Keep the writable layer: instead of a tmpfs private to the sandbox's mount namespace, a
+    /// tmpfs (of the same size cap) mounted at this host path, which outlives the sandbox. An
+    /// image build reads the overlay's upper directory (`<path>/upper`) from it once the sandbox
+    /// is gone and then calls [`release_writable`]. The path must not exist yet.
+    pub writable: Option<PathBuf>,
+}
+
+/// Unmounts and removes a writable layer kept with [`SandboxConfig::writable`].
+pub fn release_writable(path: &Path) -> io::Result<()> {
+    match sys::umount_detach(path) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) || e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    match fs::remove_dir(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
 }
 
 /// The state directory and the cgroup layout of this host.
@@ -131,14 +149,32 @@ impl Jail {
             landlock: None,
             audit: None,
             tun: None,
+            kept_writable: None,
         };
         // From here on, dropping `sb` on any error undoes every step taken so far.
         let slot = self.slots.acquire().ok_or(JailError::NoSlot(self.slots.capacity()))?;
         let slot_index = slot.index;
         sb.slot = Some(slot);
         sb.socket = sb.entry.dir().join("agent.sock");
-        let staging = sb.entry.dir().join("root");
-        fs::create_dir(&staging).map_err(io_err("create staging dir"))?;
+        let uid_base = UID_BASE + slot_index * UID_COUNT;
+        let staging = match &cfg.writable {
+            None => {
+                let staging = sb.entry.dir().join("root");
+                fs::create_dir(&staging).map_err(io_err("create staging dir"))?;
+                staging
+            }
+            Some(w) => {
+                fs::create_dir(w).map_err(io_err(format!("create the writable layer's directory {}", w.display())))?;
+                // Owned by the sandbox's root, so that it can make the overlay's directories.
+                let opts = format!("size={},mode=0755,uid={uid_base},gid={uid_base}", cfg.limits.disk_bytes);
+                if let Err(e) = sys::mount("cordon-build-rw", w, "tmpfs", libc::MS_NOATIME | libc::MS_NOSUID | libc::MS_NODEV, Some(&opts)) {
+                    let _ = fs::remove_dir(w);
+                    return Err(io_err("mount the writable layer")(e));
+                }
+                sb.kept_writable = Some(w.clone());
+                w.clone()
+            }
+        };
         sb.write_record()?;
         sb.cgroup.create(&cfg.limits).map_err(io_err("create cgroups"))?;
 
@@ -147,7 +183,8 @@ impl Jail {
             layers: cfg.layers.clone(),
             staging,
             socket: sb.socket.clone(),
-            uid_base: UID_BASE + slot_index * UID_COUNT,
+            premounted: cfg.writable.is_some(),
+            uid_base,
             uid_count: UID_COUNT,
             cgroup_procs: sb.cgroup.procs_files(),
             disk_bytes: cfg.limits.disk_bytes,
@@ -172,6 +209,8 @@ impl Jail {
                 sb.pid = pid;
                 sb.pidfd = Some(sys::pidfd_open(pid).map_err(io_err("pidfd_open sandbox init"))?);
                 sb.write_record()?;
+                // From here on the caller owns the kept writable layer.
+                sb.kept_writable = None;
                 Ok(sb)
             }
         }
@@ -192,6 +231,9 @@ pub struct Sandbox {
     landlock: Option<landlock::Enforced>,
     audit: Option<audit::Trail>,
     tun: Option<OwnedFd>,
+    /// A kept writable layer mounted by a `create` that has not succeeded yet: released if
+    /// the create fails (see [`SandboxConfig::writable`]).
+    kept_writable: Option<PathBuf>,
 }
 
 impl Sandbox {
@@ -272,6 +314,11 @@ impl HostSandbox for Sandbox {
         let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
         let removed = self.cgroup.remove();
         self.entry.remove();
+        if let Some(w) = self.kept_writable.take() {
+            if let Err(e) = release_writable(&w) {
+                tracing::warn!(path = %w.display(), error = %e, "cannot release a writable layer");
+            }
+        }
         self.slot.take();
         if !emptied {
             return Err(JailError::Setup(format!("sandbox {} did not die within 5 s", self.id)));

@@ -16,6 +16,9 @@ use std::path::{Path, PathBuf};
 pub struct RootPlan<'a> {
     /// Host directory used as the mount point of the staging tmpfs (empty on the host side).
     pub staging: &'a Path,
+    /// `staging` is already the writable layer's tmpfs (mounted by the host, sized and owned
+    /// for this sandbox, kept after it): nothing to mount there.
+    pub premounted: bool,
     /// Detached, idmapped, read-only clones of the image's layer trees, bottom first.
     pub image: Vec<OwnedFd>,
     /// Size of the one tmpfs that holds the writable layer, `/tmp` and `/dev/shm` together.
@@ -105,7 +108,7 @@ const NOSUID_NODEV_NOEXEC: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV | li
 pub fn enter(plan: RootPlan<'_>, ops: &dyn MountOps) -> io::Result<()> {
     ops.make_private_recursive("/")?;
     let st = plan.staging;
-    let root = stage_layers(ops, st, plan.image, plan.disk_bytes)?;
+    let root = stage_layers(ops, st, plan.image, plan.disk_bytes, plan.premounted)?;
     mount_proc(ops, st, &root)?;
     mount_dev(ops, st, &root)?;
     ops.bind_with(&st.join(SHARED_TMP), &root.join("tmp"), libc::MS_NOSUID | libc::MS_NODEV)?;
@@ -125,13 +128,15 @@ pub fn enter(plan: RootPlan<'_>, ops: &dyn MountOps) -> io::Result<()> {
 
 /// Mounts the writable layer's tmpfs on `st`, the image under it and the overlay of both at
 /// `st/root`, and makes that the working directory. Returns the overlay's path.
-fn stage_layers(ops: &dyn MountOps, st: &Path, image: Vec<OwnedFd>, disk: u64) -> io::Result<PathBuf> {
+fn stage_layers(ops: &dyn MountOps, st: &Path, image: Vec<OwnedFd>, disk: u64, premounted: bool) -> io::Result<PathBuf> {
     // One size-capped tmpfs, private to this mount namespace, holds everything the sandbox can
     // write: the overlay's upper and work dirs, `/tmp` and `/dev/shm` (bound from subdirectories
     // of it), so `--disk` is one budget for all three, as the flag says. It holds no host disk,
     // reaches ENOSPC at the cap, and disappears with the namespace even if no teardown code ever
     // runs.
-    ops.mount("cordon-rw", st, "tmpfs", libc::MS_NOATIME, Some(&format!("size={disk},mode=0755")))?;
+    if !premounted {
+        ops.mount("cordon-rw", st, "tmpfs", libc::MS_NOATIME, Some(&format!("size={disk},mode=0755")))?;
+    }
     let (upper, work, lower, root) = (st.join("upper"), st.join("work"), st.join("lower"), st.join("root"));
     for d in [&upper, &work, &lower, &root] {
         mkdir(d, 0o755)?;
@@ -381,11 +386,24 @@ mod tests {
     }
 
     fn plan<'a>(st: &'a Path, nameservers: bool) -> RootPlan<'a> {
-        RootPlan { staging: st, image: vec![fs::File::open(st).unwrap().into()], disk_bytes: 1 << 20, hostname: "sb-test", nameservers }
+        RootPlan { staging: st, premounted: false, image: vec![fs::File::open(st).unwrap().into()], disk_bytes: 1 << 20, hostname: "sb-test", nameservers }
     }
 
     fn position(calls: &[String], prefix: &str) -> usize {
         calls.iter().position(|c| c.starts_with(prefix)).unwrap_or_else(|| panic!("no call `{prefix}…` in {calls:#?}"))
+    }
+
+    #[test]
+    fn a_premounted_writable_layer_is_used_as_it_is() {
+        let st = staging("premounted");
+        let ops = Recorder::default();
+        enter(RootPlan { premounted: true, ..plan(&st, false) }, &ops).unwrap();
+        let calls = ops.calls();
+        assert!(!calls.iter().any(|c| c.starts_with("mount tmpfs cordon-rw")), "{calls:#?}");
+        // The overlay's upper directory is on it, where the build reads it afterwards.
+        position(&calls, "mount overlay cordon-root root");
+        assert!(st.join("upper").is_dir());
+        let _ = fs::remove_dir_all(&st);
     }
 
     #[test]

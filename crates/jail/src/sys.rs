@@ -158,6 +158,17 @@ pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> io::Result<()> {
     check(r, &format!("move_mount to {}", target.display())).map(drop)
 }
 
+/// Lazily unmounts whatever is mounted at `target`.
+pub fn umount_detach(target: &Path) -> io::Result<()> {
+    let t = cpath(target)?;
+    // SAFETY: `t` is a valid NUL-terminated path that lives across the call.
+    let r = unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// `pivot_root(".", ".")` then detach the old root, which is stacked on top of the new one.
 pub fn pivot_to_cwd() -> io::Result<()> {
     let dot = c".";
