@@ -114,7 +114,7 @@ impl Write for HashWrite<'_> {
 pub fn write(view: &Merged, b: &mut tar::Builder<impl Write>, srcs: &[PathBuf], dest: &str, attrs: Attrs) -> Result<(), String> {
     let resolved = view.resolve(dest).map_err(|e| format!("cannot resolve {dest} in the image: {e}"))?;
     let dest_is_dir = dest.ends_with('/') || srcs.len() > 1 || view.root().join(&resolved).is_dir() || srcs.iter().any(|s| s.is_dir());
-    let mut parents = Parents { view, written: Vec::new() };
+    let mut parents = Parents { view, written: Vec::new(), owner: (attrs.uid, attrs.gid) };
     for src in srcs {
         let m = fs::symlink_metadata(src).map_err(|e| format!("cannot read {}: {e}", src.display()))?;
         let target = if m.is_dir() {
@@ -141,11 +141,13 @@ pub fn write(view: &Merged, b: &mut tar::Builder<impl Write>, srcs: &[PathBuf], 
 struct Parents<'a> {
     view: &'a Merged,
     written: Vec<PathBuf>,
+    /// Who owns the directories the copy creates (the `--chown` owner, as BuildKit does).
+    owner: (u32, u32),
 }
 
 impl Parents<'_> {
     /// Writes `dir` (symlink-free, relative to the image root) and its ancestors: as the image
-    /// has them, or as new 0755 root directories.
+    /// has them, or as new 0755 directories of the copy's owner.
     fn write(&mut self, b: &mut tar::Builder<impl Write>, dir: &Path) -> io::Result<()> {
         let mut cur = PathBuf::new();
         for c in dir.components() {
@@ -165,8 +167,8 @@ impl Parents<'_> {
                 }
                 _ => {
                     h.set_mode(0o755);
-                    h.set_uid(0);
-                    h.set_gid(0);
+                    h.set_uid(self.owner.0.into());
+                    h.set_gid(self.owner.1.into());
                     h.set_mtime(now());
                 }
             }
@@ -232,7 +234,7 @@ pub fn mkdir_p(view: &Merged, b: &mut tar::Builder<impl Write>, path: &str, uid:
         return Ok(false);
     }
     let mut existing = PathBuf::new();
-    let mut parents = Parents { view, written: Vec::new() };
+    let mut parents = Parents { view, written: Vec::new(), owner: (uid, gid) };
     for c in resolved.components() {
         let next = existing.join(c);
         if !view.root().join(&next).is_dir() {

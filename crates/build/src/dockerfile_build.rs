@@ -304,7 +304,7 @@ fn copy_step(exec: &mut Executor, stage: &mut Stage, ctx: &StageCtx<'_>, ins: &I
 /// The host paths a COPY source names: in the build context `root` (a path or a glob, never
 /// outside it), or in another stage's `view`, resolved as that image would resolve it (a
 /// glob only in its last component there), so no symlink of the image leads to a host file.
-fn sources(root: &Path, view: Option<&crate::merged::Merged>, src: &str) -> Result<Vec<PathBuf>, String> {
+pub(crate) fn sources(root: &Path, view: Option<&crate::merged::Merged>, src: &str) -> Result<Vec<PathBuf>, String> {
     let rel = src.trim_start_matches('/');
     let has_glob = |s: &str| s.contains(['*', '?', '[']);
     if let Some(view) = view {
@@ -334,6 +334,7 @@ fn sources(root: &Path, view: Option<&crate::merged::Merged>, src: &str) -> Resu
     if rel.split('/').any(|c| c == "..") {
         return Err(format!("{src} leaves the build context ('..')"));
     }
+    let root = &root.canonicalize().map_err(|e| format!("cannot open {}: {e}", root.display()))?;
     let candidates: Vec<PathBuf> = if has_glob(rel) {
         let pattern = format!("{}/{rel}", glob::Pattern::escape(&root.to_string_lossy()));
         glob::glob(&pattern).map_err(|e| format!("{src} is not a valid pattern: {e}"))?.filter_map(Result::ok).collect()

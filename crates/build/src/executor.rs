@@ -82,6 +82,8 @@ pub struct Executor {
     work: PathBuf,
     seq: u32,
     opts: Options,
+    /// Set by [`Executor::set_no_cache`].
+    force: bool,
     _hold: cordon_image::LayerHold,
 }
 
@@ -111,7 +113,7 @@ impl Executor {
         let work = builds.join(format!("{}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
         std::fs::create_dir(&work).map_err(io("create a build directory"))?;
         let hold = store.hold_layers()?;
-        Ok(Executor { store, backend, rt, cache, work, seq: 0, opts, _hold: hold })
+        Ok(Executor { store, backend, rt, cache, work, seq: 0, opts, force: false, _hold: hold })
     }
 
     pub fn store(&self) -> &Store {
@@ -135,6 +137,17 @@ impl Executor {
             .iter()
             .map(|l| self.store.layer_path(l).ok_or_else(|| BuildError::Image(ImageError::Layer { what: format!("image '{}'", stage.base), reason: format!("layer {l} is missing from the store") })))
             .collect()
+    }
+
+    /// Runs the steps after this call whether or not the cache has them (an E2B step's
+    /// `force`), or takes them from it again.
+    pub fn set_no_cache(&mut self, on: bool) {
+        self.force = on;
+    }
+
+    /// A fresh path in the build's directory (not created).
+    pub fn scratch_dir(&mut self, what: &str) -> PathBuf {
+        self.next_dir(what)
     }
 
     fn next_dir(&mut self, what: &str) -> PathBuf {
@@ -217,7 +230,7 @@ impl Executor {
     }
 
     fn cached(&self, key: &str) -> Option<Option<String>> {
-        if self.opts.no_cache {
+        if self.opts.no_cache || self.force {
             return None;
         }
         self.cache.get(key, |l| self.store.layer_path(l).is_some())

@@ -5,6 +5,7 @@
 //! - [`dockerfile_build`] drives a parsed Dockerfile through the executor;
 //! - [`executor`] runs each step: RUN in an ns-tier sandbox whose writable layer becomes the
 //!   step's layer, COPY and WORKDIR as layers written directly, the rest as config;
+//! - [`template`] drives an E2B template's steps (`Template()` of the SDKs) through it;
 //! - [`copy`] writes COPY's layer, [`merged`] is the read-only view of an image being built that
 //!   it resolves paths in, and [`cache`] is the step cache that makes an unchanged rebuild
 //!   take seconds.
@@ -15,6 +16,7 @@ pub mod dockerfile;
 pub mod dockerfile_build;
 pub mod executor;
 pub mod merged;
+pub mod template;
 
 pub use executor::{Executor, Options, Stage, StepFailure};
 

@@ -16,6 +16,7 @@ mod progress;
 mod run;
 mod serve;
 mod state;
+mod template_build;
 mod tiers;
 mod vm;
 

@@ -48,6 +48,15 @@ pub struct ServeArgs {
     /// while the build runs.
     #[arg(long, value_name = "IMAGE", num_args = 1..)]
     prebuild: Vec<String>,
+    /// The registry template builds pull a `fromImage` from when the store does not have it
+    /// (`HOST[:PORT][/PREFIX]`, e.g. `127.0.0.1:5000/mirror`); a reference that names its own
+    /// registry is pulled from there.
+    #[arg(long, value_name = "URL")]
+    registry: Option<String>,
+    /// Open egress for the RUN steps of template builds (repeatable), as `cordon run
+    /// --allow-net` (a package index, say); closed by default. API callers cannot open it.
+    #[arg(long = "build-allow-net", value_name = "RULE")]
+    build_allow_net: Vec<String>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -86,6 +95,8 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         }
         _ => None,
     };
+    let build_network = cordon_spec::NetworkPolicy::parse(&a.build_allow_net, &[] as &[&str]).map_err(|e| usage(format!("--build-allow-net: {}", e.reason)))?;
+    let registry = a.registry.as_deref().map(|r| r.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/').to_string());
     let store = state.images()?;
     for name in &a.prebuild {
         prebuild(&store, name)?;
@@ -131,7 +142,9 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     };
     let scheme = if tls.is_some() { "https" } else { "http" };
     let domain = a.domain.clone();
-    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds) });
+    let builder = crate::template_build::TemplateBuilder { host: state.host(None), store: state.images()?, registry, network: build_network };
+    let templates = cordon_server::templates::Templates::open(state.dir(), state.images()?, Arc::new(builder)).context("open the template records")?;
+    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds), templates: Some(Arc::new(templates)) });
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

@@ -140,9 +140,14 @@ pub struct StartCommand {
     #[serde(default)]
     pub env: Vec<(String, String)>,
     /// Ready once something listens on this loopback port inside the
-    /// sandbox; `None`: ready as soon as it has started.
+    /// sandbox; `None` (and no `ready_cmd`): ready as soon as it has started.
     #[serde(default)]
     pub ready_port: Option<u16>,
+    /// Ready once this shell command exits 0 inside the sandbox (an E2B template's ready
+    /// command, e.g. `[ -n "$(ss -Htuln sport = :8000)" ]`), run as `user`; checked when there
+    /// is no `ready_port`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_cmd: Option<String>,
     /// How long readiness may take before the create fails.
     pub ready_timeout_secs: u64,
     /// Whether requests to `ready_port` through `cordon serve` must carry the sandbox's access

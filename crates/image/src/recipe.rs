@@ -77,6 +77,7 @@ impl StartRecipe {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             ready_port: Some(self.ready_port),
+            ready_cmd: None,
             ready_timeout_secs: self.ready_timeout_secs,
             // Every recipe's service so far runs code for its callers. (A field of the recipe
             // would change its digest, and with it every image built from it would count as
@@ -138,6 +139,8 @@ const BASE_PACKAGES: &[&str] = &[
     "git",
     "sudo",
     "procps",
+    // `ss`: the SDKs' `wait_for_port` ready command is `ss -Htuln sport = :PORT`.
+    "iproute2",
     // /etc/services and /etc/protocols; without them getaddrinfo with
     // service names and many Python networking calls fail.
     "netbase",
@@ -145,6 +148,7 @@ const BASE_PACKAGES: &[&str] = &[
 
 const BASE_MUST_EXIST: &[&str] = &[
     "usr/bin/python3",
+    "usr/bin/ss",
     "usr/bin/python",
     "usr/bin/sudo",
     "home/user",

@@ -47,6 +47,11 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
             _ => Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "use GET")),
         };
     }
+    // A template build's upload URL carries its own signature: the SDKs PUT to it without the
+    // API key.
+    if path.starts_with(crate::templates::UPLOAD_PREFIX.trim_end_matches('/')) && method == Method::PUT {
+        return templates(app)?.upload(&path, req).await;
+    }
     let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()).unwrap_or("");
     if !auth::ct_eq(key, &app.api_key) {
         return Err(ApiError::unauthorized(if key.is_empty() {
@@ -80,6 +85,20 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
             update_network(app, &id, req).await
         }
         (&Method::GET, false, ["templates", "aliases", alias]) => template_alias(app, alias),
+        (&Method::POST, false, ["v3", "templates"]) => templates(app)?.request(req).await,
+        (&Method::GET, false, ["templates", id, "files", hash]) => {
+            let base = self_url(app, &req);
+            templates(app)?.files(id, hash, &base)
+        }
+        (&Method::POST, true, ["templates", id, "builds", build]) => {
+            let (id, build) = (id.to_string(), build.to_string());
+            templates(app)?.start(&id, &build, req).await
+        }
+        (&Method::GET, false, ["templates", id, "builds", build, "status"]) => templates(app)?.status(id, build, req.uri().query()),
+        (&Method::POST, false, ["templates", "tags"]) => templates(app)?.assign_tags(req).await,
+        (&Method::DELETE, false, ["templates", "tags"]) => templates(app)?.remove_tags(req).await,
+        (&Method::GET, false, ["templates", id, "tags"]) => templates(app)?.tags(id),
+        (&Method::DELETE, false, ["templates", id]) => templates(app)?.delete(id),
         (_, false, ["sandboxes", _, op @ ("pause" | "resume" | "snapshots" | "fork" | "refreshes")]) => Err(
             ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("'{op}' is not supported by cordon: sandboxes run until killed or timed out")).no_retry(),
         ),
@@ -87,7 +106,7 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
     }
 }
 
-async fn read_json<T: for<'de> Deserialize<'de>>(req: Request<Incoming>, empty_ok: bool) -> Result<T, ApiError> {
+pub(crate) async fn read_json<T: for<'de> Deserialize<'de>>(req: Request<Incoming>, empty_ok: bool) -> Result<T, ApiError> {
     let body: Bytes = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
@@ -164,6 +183,8 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
         Some(t) => t.parse().map_err(|e: cordon_spec::SpecError| ApiError::bad_request(format!("tier: {}", e.reason)))?,
     };
     let template = b.template_id.filter(|t| !t.is_empty()).unwrap_or_else(|| "base".to_string());
+    // A built template's name (`name`, `name:tag`) or id means the image of its build.
+    let template = app.templates.as_ref().and_then(|t| t.resolve(&template)).unwrap_or(template);
     if cordon_image::validate_name(&template).is_err() {
         return Err(ApiError::bad_request(format!("template '{template}' is not a valid image name")));
     }
@@ -372,8 +393,22 @@ async fn update_network(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Res
 /// `Template.exists(name)`: 200 with the template's id for every image in the store and every
 /// built-in recipe (built on first use), 404 for anything else. The name arrives
 /// percent-encoded; the template's id is its name, as in the create answer.
+/// The template builds, or why there are none.
+fn templates(app: &Arc<App>) -> Result<&Arc<crate::templates::Templates>, ApiError> {
+    app.templates.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "template builds are not enabled on this server").no_retry())
+}
+
+/// This server's URL as the client reached it (for the upload URLs it hands out).
+fn self_url(app: &Arc<App>, req: &Request<Incoming>) -> String {
+    let host = req.headers().get(hyper::header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("localhost");
+    format!("{}://{host}", if app.tls.is_some() { "https" } else { "http" })
+}
+
 fn template_alias(app: &Arc<App>, alias: &str) -> Result<Response<Body>, ApiError> {
     let name = query::percent_decode(alias, false);
+    if let Some(id) = app.templates.as_ref().and_then(|t| t.alias(&name)) {
+        return Ok(json_response(StatusCode::OK, &json!({"templateID": id, "public": false})));
+    }
     match cordon_sandbox::image::exists(&app.images, &name) {
         Ok(true) => Ok(json_response(StatusCode::OK, &json!({"templateID": name, "public": false}))),
         Ok(false) => Err(ApiError::not_found(format!("template '{name}' not found"))),

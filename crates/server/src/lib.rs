@@ -25,6 +25,7 @@ pub mod query;
 pub mod registry;
 pub mod routes;
 pub mod start_command;
+pub mod templates;
 pub mod tls;
 pub mod traffic;
 
@@ -78,6 +79,8 @@ pub struct App {
     /// Recipes' images being built for the creates that asked for them; `None` leaves the
     /// first use of a recipe to the backend (which then builds it inside the create).
     pub builds: Option<first_build::FirstBuilds>,
+    /// Template builds through the API (`Template()` of the SDKs); `None` answers them 501.
+    pub templates: Option<Arc<templates::Templates>>,
 }
 
 impl App {

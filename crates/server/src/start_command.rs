@@ -29,12 +29,62 @@ pub enum StartError {
     Empty,
     #[error("cannot start `{cmd}`: {reason}")]
     Spawn { cmd: String, reason: String },
-    #[error("`{cmd}` ended ({how}) before port {port} opened{output}")]
-    Exited { cmd: String, how: String, port: u16, output: String },
-    #[error("`{cmd}` did not open port {port} within {secs}s{output}")]
-    NotReady { cmd: String, port: u16, secs: u64, output: String },
-    #[error("cannot check port {port}: {reason}")]
-    Probe { port: u16, reason: String },
+    #[error("`{cmd}` ended ({how}) before {ready}{output}")]
+    Exited { cmd: String, how: String, ready: Ready, output: String },
+    #[error("`{cmd}` {} within {secs}s{output}", ready.failed())]
+    NotReady { cmd: String, ready: Ready, secs: u64, output: String },
+    #[error("cannot check whether {ready}: {reason}")]
+    Probe { ready: Ready, reason: String },
+}
+
+/// What makes a start command ready.
+#[derive(Debug, Clone)]
+pub enum Ready {
+    /// Something listens on this port inside the sandbox.
+    Port(u16),
+    /// This shell command exits 0 (an E2B template's ready command).
+    Cmd(String),
+}
+
+impl Ready {
+    /// What a start command that never got ready did not do.
+    fn failed(&self) -> String {
+        match self {
+            Ready::Port(p) => format!("did not open port {p}"),
+            Ready::Cmd(c) => format!("did not get ready (`{c}` never passed)"),
+        }
+    }
+}
+
+impl std::fmt::Display for Ready {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Ready::Port(p) => write!(f, "port {p} opened"),
+            Ready::Cmd(c) => write!(f, "`{c}` passed"),
+        }
+    }
+}
+
+/// Runs a ready command once: whether it exited 0.
+async fn ready_cmd_passes(client: &EnvdClient, cmd: &str, start: &StartCommand) -> Result<bool, String> {
+    let req = StartRequest {
+        process: Some(ProcessConfig {
+            cmd: "/bin/sh".into(),
+            args: vec!["-c".into(), cmd.into()],
+            envs: start.env.iter().cloned().collect(),
+            cwd: start.cwd.clone(),
+        }),
+        pty: None,
+        tag: None,
+        stdin: Some(false),
+    };
+    let mut stream = client.start(req, Some(start.user.as_str()), None).await.map_err(|e| e.to_string())?;
+    while let Some(ev) = stream.next().await {
+        if let ProcessEvent::End(end) = ev.map_err(|e| e.to_string())? {
+            return Ok(end.exited && end.exit_code == 0);
+        }
+    }
+    Err("its output stream closed".into())
 }
 
 /// The last bytes a process printed, for an error message.
@@ -85,14 +135,17 @@ pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(
         .await
         .map_err(|e| StartError::Spawn { cmd: shown.clone(), reason: e.to_string() })?;
     tracing::debug!(pid = stream.pid(), cmd = %shown, "start command running");
-    let Some(port) = start.ready_port else {
+    let ready = match (start.ready_port, &start.ready_cmd) {
+        (Some(port), _) => Ready::Port(port),
+        (None, Some(cmd)) => Ready::Cmd(cmd.clone()),
         // Nothing to wait for. Dropping the stream leaves the process running: the agent never
         // ends a process because its client went away.
-        return Ok(());
+        (None, None) => return Ok(()),
     };
     let slowdown = slowdown.max(1);
     let ready_secs = start.ready_timeout_secs.saturating_mul(u64::from(slowdown));
-    let max_poll = MAX_POLL * slowdown;
+    // A ready command is a process per check: polled less eagerly than a port.
+    let max_poll = if matches!(ready, Ready::Cmd(_)) { MAX_POLL * 4 } else { MAX_POLL } * slowdown;
     let deadline = started + Duration::from_secs(ready_secs);
     let mut tail = Tail::default();
     let mut delay = FIRST_POLL;
@@ -100,16 +153,20 @@ pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(
     loop {
         let now = Instant::now();
         if now >= next_probe {
-            match crate::agent_link::port_open(socket, port).await {
+            let probe = match &ready {
+                Ready::Port(port) => crate::agent_link::port_open(socket, *port).await.map_err(|e| e.to_string()),
+                Ready::Cmd(cmd) => ready_cmd_passes(&client, cmd, start).await,
+            };
+            match probe {
                 Ok(true) => {
-                    tracing::debug!(port, ms = started.elapsed().as_millis() as u64, "start command ready");
+                    tracing::debug!(%ready, ms = started.elapsed().as_millis() as u64, "start command ready");
                     return Ok(());
                 }
                 Ok(false) => {}
-                Err(e) => return Err(StartError::Probe { port, reason: e.to_string() }),
+                Err(reason) => return Err(StartError::Probe { ready, reason }),
             }
             if Instant::now() >= deadline {
-                return Err(StartError::NotReady { cmd: shown, port, secs: ready_secs, output: tail.shown() });
+                return Err(StartError::NotReady { cmd: shown, ready, secs: ready_secs, output: tail.shown() });
             }
             next_probe = Instant::now() + delay;
             delay = (delay * 2).min(max_poll);
@@ -122,17 +179,17 @@ pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(
             }
             Ok(Some(Ok(ProcessEvent::End(end)))) => {
                 let how = if end.status.is_empty() { format!("exit code {}", end.exit_code) } else { end.status };
-                return Err(StartError::Exited { cmd: shown, how, port, output: tail.shown() });
+                return Err(StartError::Exited { cmd: shown, how, ready, output: tail.shown() });
             }
             Ok(Some(Ok(_))) => {}
             Ok(Some(Err(e))) => {
-                return Err(StartError::Exited { cmd: shown, how: e.to_string(), port, output: tail.shown() })
+                return Err(StartError::Exited { cmd: shown, how: e.to_string(), ready, output: tail.shown() })
             }
             Ok(None) => {
                 return Err(StartError::Exited {
                     cmd: shown,
                     how: "its output stream closed".into(),
-                    port,
+                    ready,
                     output: tail.shown(),
                 })
             }

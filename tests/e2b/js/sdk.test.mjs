@@ -8,11 +8,14 @@
 
 import assert from 'node:assert/strict'
 import { randomUUID } from 'node:crypto'
+import fs from 'node:fs'
 import http from 'node:http'
+import os from 'node:os'
+import path from 'node:path'
 import { test } from 'node:test'
 import { setTimeout as sleep } from 'node:timers/promises'
 
-import { AuthenticationError, CommandExitError, FileNotFoundError, Sandbox, SandboxNotFoundError } from 'e2b'
+import { AuthenticationError, BuildError, CommandExitError, FileNotFoundError, Sandbox, SandboxNotFoundError, Template, waitForPort } from 'e2b'
 
 for (const name of ['E2B_API_KEY', 'E2B_API_URL', 'E2B_SANDBOX_URL']) {
   if (!process.env[name]) throw new Error(`${name} is not set: run this suite through tests/e2b/run.sh`)
@@ -310,4 +313,41 @@ test('getHost(port) reaches a server started inside', T, async () => {
     const closed = await get('/hello.txt', { Host: sbx.getHost(8001) })
     assert.equal(closed.status, 502, closed.body)
   })
+})
+
+// A template built with the JS builder, the same main flow as the Python suite's: files copied,
+// steps run, a workdir, a start command whose port is ready before the create returns.
+test('Template.build makes a template that Sandbox.create starts', { timeout: 600_000 }, async () => {
+  const ctx = fs.mkdtempSync(path.join(os.tmpdir(), 'cordon-js-tpl-'))
+  const name = `tpl-js-${randomUUID().slice(0, 8)}`
+  try {
+    fs.mkdirSync(path.join(ctx, 'app'))
+    fs.writeFileSync(path.join(ctx, 'app', 'hello.txt'), 'hello from js\n')
+    const token = randomUUID()
+    const tpl = Template({ fileContextPath: ctx })
+      .fromTemplate('base')
+      .copy('app', '/home/user/app')
+      .runCmd(`echo ${token} > /home/user/app/token`)
+      .setWorkdir('/home/user/app')
+      .setStartCmd('python3 -m http.server 8000', waitForPort(8000))
+    const info = await Template.build(tpl, name)
+    assert.ok(info.templateId && info.buildId, JSON.stringify(info))
+    assert.equal(await Template.exists(name), true)
+    assert.equal(await Template.exists(`${name}-absent`), false)
+    const sbx = await Sandbox.create(name, { timeoutMs: LIFE_MS })
+    try {
+      const r = await sbx.commands.run("pwd; cat token hello.txt; curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8000/hello.txt")
+      assert.equal(r.stdout, `/home/user/app\n${token}\nhello from js\n200`)
+    } finally {
+      await sbx.kill()
+    }
+    // A failing step is a BuildError that says what failed.
+    const bad = Template({ fileContextPath: ctx }).fromTemplate('base').runCmd('exit 9')
+    await assert.rejects(Template.build(bad, `${name}-bad`), (e) => e instanceof BuildError && /exit 9/.test(e.message))
+  } finally {
+    fs.rmSync(ctx, { recursive: true, force: true })
+    for (const n of [name, `${name}-bad`]) {
+      await fetch(new URL(`/templates/${n}`, process.env.E2B_API_URL), { method: 'DELETE', headers: { 'X-API-KEY': process.env.E2B_API_KEY } })
+    }
+  }
 })
