@@ -45,6 +45,20 @@ def delete_templates():
         assert r.status_code in (204, 404), (n, r.status_code, r.text)
 
 
+def wait_for(info, limit=300):
+    """Polls a background build to its end, as the SDK's own wait does; returns the last
+    status and every log entry seen."""
+    deadline = time.monotonic() + limit
+    offset, entries = 0, []
+    while True:
+        st = Template.get_build_status(info, logs_offset=offset)
+        offset += len(st.log_entries)
+        entries += st.log_entries
+        if st.status.value in ("ready", "error") or time.monotonic() > deadline:
+            return st, entries
+        time.sleep(0.2)
+
+
 def web_template(context, token):
     return (
         Template(file_context_path=str(context))
@@ -120,27 +134,12 @@ def test_build_in_background_then_polling_reports_status_logs_and_the_failing_st
         .run_cmd(f"echo {secrets.token_hex(4)} > /tmp/x")
         .run_cmd("[ \"$(ip -o link | cut -d: -f2 | tr -d ' ')\" = lo ]")
     )
-    info = Template.build_in_background(good, name("bg"))
-    deadline = time.monotonic() + 300
-    offset, entries = 0, []
-    while True:
-        st = Template.get_build_status(info, logs_offset=offset)
-        offset += len(st.log_entries)
-        entries += st.log_entries
-        if st.status.value in ("ready", "error") or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    st, entries = wait_for(Template.build_in_background(good, name("bg")))
     assert st.status.value == "ready", st
     assert any("echo" in e.message for e in entries)
 
     bad = Template(file_context_path=str(context)).from_template("base").run_cmd("true").run_cmd("false")
-    info = Template.build_in_background(bad, name("bgbad"))
-    deadline = time.monotonic() + 300
-    while True:
-        st = Template.get_build_status(info)
-        if st.status.value in ("ready", "error") or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    st, _ = wait_for(Template.build_in_background(bad, name("bgbad")))
     assert st.status.value == "error"
     # The second step, 1-based, as the SDK maps it to the second run_cmd call.
     assert st.reason.step == "2", st.reason
@@ -148,13 +147,7 @@ def test_build_in_background_then_polling_reports_status_logs_and_the_failing_st
 
 
 def test_a_base_the_server_does_not_have_fails_at_the_base_step(context):
-    info = Template.build_in_background(Template().from_image("no-such-image-anywhere:1.0").run_cmd("true"), name("nobase"))
-    deadline = time.monotonic() + 120
-    while True:
-        st = Template.get_build_status(info)
-        if st.status.value in ("ready", "error") or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    st, _ = wait_for(Template.build_in_background(Template().from_image("no-such-image-anywhere:1.0").run_cmd("true"), name("nobase")))
     assert st.status.value == "error"
     assert st.reason.step == "base", st.reason
     assert "no-such-image-anywhere" in st.reason.message

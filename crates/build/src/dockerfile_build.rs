@@ -131,16 +131,6 @@ fn fail(message: impl Into<String>) -> StepFailure {
     StepFailure { message: message.into(), tail: Vec::new() }
 }
 
-/// An absolute path inside the image: `p` itself, or `p` under the stage's WORKDIR.
-fn absolute(stage: &Stage, p: &str) -> String {
-    if p.starts_with('/') {
-        p.to_string()
-    } else {
-        let wd = stage.meta.workdir.clone().unwrap_or_else(|| "/".into());
-        format!("{}/{p}", wd.trim_end_matches('/'))
-    }
-}
-
 fn step(exec: &mut Executor, stage: &mut Stage, ctx: &mut StageCtx<'_>, ins: &Instruction, done: &[(Option<String>, Stage)], log: &mut dyn FnMut(&str)) -> Result<bool, StepFailure> {
     match &ins.kind {
         Kind::Run(cmd) => {
@@ -194,7 +184,7 @@ fn step(exec: &mut Executor, stage: &mut Stage, ctx: &mut StageCtx<'_>, ins: &In
         }
         Kind::Workdir(p) => {
             let p = ctx.subst(stage, p)?;
-            let abs = absolute(stage, &p);
+            let abs = stage.absolute(&p);
             stage.meta.workdir = Some(abs.clone());
             exec.add_tar(stage, &["workdir", &abs], |view, b| copy::mkdir_p(view, b, &abs, 0, 0))
         }
@@ -256,7 +246,7 @@ fn argv_of(c: &Command, shell: &[String]) -> Vec<String> {
 
 #[allow(clippy::too_many_arguments)]
 fn copy_step(exec: &mut Executor, stage: &mut Stage, ctx: &StageCtx<'_>, ins: &Instruction, srcs: &[String], dest: &str, from: Option<&str>, chown: Option<&str>, chmod: Option<&str>, done: &[(Option<String>, Stage)]) -> Result<bool, StepFailure> {
-    let dest = absolute(stage, &ctx.subst(stage, dest)?);
+    let dest = stage.absolute(&ctx.subst(stage, dest)?);
     let mode = match chmod {
         None => None,
         Some(m) => Some(u32::from_str_radix(&ctx.subst(stage, m)?, 8).map_err(|_| fail(format!("--chmod={m} is not an octal mode")))?),

@@ -62,6 +62,18 @@ pub struct Stage {
     pub key: String,
 }
 
+impl Stage {
+    /// An absolute path inside the image: `p` itself, or `p` under the stage's WORKDIR.
+    pub fn absolute(&self, p: &str) -> String {
+        if p.starts_with('/') {
+            p.to_string()
+        } else {
+            let wd = self.meta.workdir.as_deref().unwrap_or("/");
+            format!("{}/{p}", wd.trim_end_matches('/'))
+        }
+    }
+}
+
 /// What a step that ran said.
 #[derive(Debug)]
 pub struct StepFailure {

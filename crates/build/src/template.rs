@@ -13,24 +13,11 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use cordon_image::{Image, StartCommand};
-use serde::Deserialize;
 
 use crate::copy::{self, Attrs};
 use crate::executor::{Executor, Stage, StepFailure};
 
-/// One `TemplateStep`; keys the SDKs add beyond these (`forceUpload`, `resolveSymlinks`,
-/// `gzip`) are ignored.
-#[derive(Debug, Clone, Deserialize)]
-pub struct Step {
-    #[serde(rename = "type")]
-    pub kind: String,
-    #[serde(default)]
-    pub args: Vec<String>,
-    #[serde(default)]
-    pub force: bool,
-    #[serde(rename = "filesHash", default)]
-    pub files_hash: Option<String>,
-}
+pub use cordon_spec::TemplateStep as Step;
 
 /// What to build.
 #[derive(Debug, Clone)]
@@ -129,15 +116,6 @@ fn shell(view: &crate::merged::Merged) -> (&'static str, &'static str) {
     }
 }
 
-fn absolute(stage: &Stage, p: &str) -> String {
-    if p.starts_with('/') {
-        p.to_string()
-    } else {
-        let wd = stage.meta.workdir.clone().unwrap_or_else(|| "/".into());
-        format!("{}/{p}", wd.trim_end_matches('/'))
-    }
-}
-
 fn run_step(exec: &mut Executor, stage: &mut Stage, cur: &mut Current, step: &Step, files: &dyn Files, log: &mut dyn FnMut(&str)) -> Result<bool, StepFailure> {
     let arg = |i: usize| step.args.get(i).map(String::as_str).filter(|a| !a.is_empty());
     match step.kind.as_str() {
@@ -159,7 +137,7 @@ fn run_step(exec: &mut Executor, stage: &mut Stage, cur: &mut Current, step: &St
                 None => None,
                 Some(m) => Some(u32::from_str_radix(m, 8).map_err(|_| fail(format!("mode {m} is not octal")))?),
             };
-            let dest = absolute(stage, dest);
+            let dest = stage.absolute(dest);
             let user = cur.user.clone();
             let unpacked = exec.scratch_dir("files");
             let _cleanup = Scratch(unpacked.clone());
@@ -191,7 +169,7 @@ fn run_step(exec: &mut Executor, stage: &mut Stage, cur: &mut Current, step: &St
             Ok(false)
         }
         "WORKDIR" => {
-            let dir = absolute(stage, arg(0).ok_or_else(|| fail("WORKDIR needs a directory"))?);
+            let dir = stage.absolute(arg(0).ok_or_else(|| fail("WORKDIR needs a directory"))?);
             stage.meta.workdir = Some(dir.clone());
             let user = cur.user.clone();
             exec.add_tar(stage, &["workdir", &dir, &user], |view, b| {

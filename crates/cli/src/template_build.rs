@@ -88,7 +88,7 @@ impl Builder for TemplateBuilder {
         let mut exec = Executor::open(&self.host, opts).map_err(|e| base(e.to_string()))?;
         let t = template::Template {
             from,
-            steps: job.steps.iter().map(|s| template::Step { kind: s.kind.clone(), args: s.args.clone(), force: s.force, files_hash: s.files_hash.clone() }).collect(),
+            steps: job.steps.clone(),
             start_cmd: job.start_cmd.clone(),
             ready_cmd: job.ready_cmd.clone(),
             force: job.force,

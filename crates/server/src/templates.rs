@@ -37,18 +37,7 @@ const MAX_UPLOAD: u64 = 8 << 30;
 /// The path prefix of upload URLs (answered without an API key: the signature is the key).
 pub const UPLOAD_PREFIX: &str = "/_cordon/template-files/";
 
-/// One step of `TemplateBuildStartV2.steps`; unknown keys are ignored.
-#[derive(Debug, Clone, Deserialize)]
-pub struct Step {
-    #[serde(rename = "type")]
-    pub kind: String,
-    #[serde(default)]
-    pub args: Vec<String>,
-    #[serde(default)]
-    pub force: bool,
-    #[serde(rename = "filesHash", default)]
-    pub files_hash: Option<String>,
-}
+pub use cordon_spec::TemplateStep as Step;
 
 /// What the binary's builder gets: everything resolved.
 #[derive(Debug, Clone)]

@@ -7,10 +7,12 @@
 mod limits;
 mod network;
 mod parse;
+mod template;
 
 pub use limits::{Limits, MAX_PIDS, DEFAULT_CPUS, DEFAULT_DISK, DEFAULT_MEMORY, DEFAULT_NOFILE, DEFAULT_PIDS, DEFAULT_TIMEOUT};
 pub use network::{canonical, normalize_name, Cidr, NetRule, NetworkPolicy, Target, Verdict};
 pub use parse::{parse_duration, parse_size, format_size};
+pub use template::TemplateStep;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
