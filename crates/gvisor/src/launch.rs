@@ -82,13 +82,25 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
     let work = cstr(&plan.disk.join("work"))?;
     let shared = [cstr(&plan.disk.join(SHARED_TMP))?, cstr(&plan.disk.join(SHARED_SHM))?];
     let disk_opts = CString::new(format!("size={},mode=0755", plan.disk_bytes)).expect("no NUL");
+    // The layers by short names relative to the sandbox's directory (`l/0` ..), which the
+    // child makes its working directory for the mount: the kernel reads the options from one
+    // page, which the layer store's full paths fill at about 35 layers (Docker's overlay2
+    // driver shortens them the same way).
+    let links = plan.dir.join("l");
+    std::fs::create_dir_all(&links).map_err(crate::io_err("create the layer links"))?;
+    for (i, layer) in plan.image.iter().enumerate() {
+        let link = links.join(i.to_string());
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(layer, &link).map_err(crate::io_err("link a layer"))?;
+    }
     let ovl_opts = cstr(Path::new(&format!(
         "lowerdir={},upperdir={},workdir={}",
         // overlayfs lists lower layers top first.
-        plan.image.iter().rev().map(|p| p.display().to_string()).collect::<Vec<_>>().join(":"),
+        (0..plan.image.len()).rev().map(|i| format!("l/{i}")).collect::<Vec<_>>().join(":"),
         plan.disk.join("upper").display(),
         plan.disk.join("work").display()
     )))?;
+    let dir = cstr(plan.dir)?;
 
     let (to_agent_r, to_agent_w) = pipe().map_err(crate::io_err("create pipe"))?;
     let (from_agent_r, from_agent_w) = pipe().map_err(crate::io_err("create pipe"))?;
@@ -149,7 +161,9 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
                 // mkdir applies the umask: sticky and world-writable, as /tmp and /dev/shm are.
                 check(libc::chmod(d.as_ptr(), 0o1777))?;
             }
+            check(libc::chdir(dir.as_ptr()))?;
             check(libc::mount(root_source.as_ptr(), rootfs.as_ptr(), overlay.as_ptr(), 0, ovl_opts.as_ptr().cast()))?;
+            check(libc::chdir(root.as_ptr()))?;
             Ok(())
         });
     }

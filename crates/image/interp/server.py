@@ -41,7 +41,9 @@ KEEPALIVE_SECS = 5.0
 LIVENESS_SECS = 0.5
 # How long an interrupted cell may take to stop before its kernel is restarted.
 INTERRUPT_GRACE_SECS = 3.0
-KERNEL_READY_SECS = 60.0
+# How long a kernel may take to answer, stretched on a sandbox that runs code slower than the
+# host (an emulated CPU), as cordon's own wait for this server is.
+KERNEL_READY_SECS = 60.0 * max(1, int(os.environ.get("CORDON_SLOWDOWN", "1") or 1))
 # What `python3 -m ipykernel_launcher` does, with debugpy made unimportable.
 KERNEL_LAUNCHER = (
     "import sys; sys.modules['debugpy'] = None; "

@@ -13,6 +13,9 @@ use cordon_envd::process::{DataEvent, ProcessConfig, ProcessEvent, StartRequest}
 use cordon_envd::EnvdClient;
 use cordon_image::StartCommand;
 
+/// How many times slower than the host the sandbox runs code, told to the start command (see
+/// [`cordon_sandbox::Sandbox::slowdown`]).
+pub const SLOWDOWN_ENV: &str = "CORDON_SLOWDOWN";
 /// The tag the start command's process gets (`commands.connect`-able by it).
 pub const TAG: &str = "start";
 /// Output kept for the error message of a start command that fails.
@@ -122,7 +125,9 @@ pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(
         process: Some(ProcessConfig {
             cmd: program.clone(),
             args: args.to_vec(),
-            envs: start.env.iter().cloned().collect(),
+            // The service's own waits (the interpreter's for its first kernel) stretch by the
+            // same factor as the readiness timeout here.
+            envs: start.env.iter().cloned().chain([(SLOWDOWN_ENV.to_string(), slowdown.max(1).to_string())]).collect(),
             cwd: start.cwd.clone(),
         }),
         pty: None,
