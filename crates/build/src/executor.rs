@@ -207,6 +207,8 @@ impl Executor {
             allow_ptrace: false,
             network: self.opts.network.clone(),
             audit: false,
+            // The step keeps its writable layer where the builder says (create_build).
+            keep_writable: false,
         };
         let created = {
             let _enter = self.rt.enter();

@@ -134,6 +134,7 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         network,
         // Always recorded; `--audit` decides whether it is printed.
         audit: true,
+        keep_writable: false,
     };
     spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
     Ok(spec)

@@ -57,6 +57,13 @@ pub struct ServeArgs {
     /// --allow-net` (a package index, say); closed by default. API callers cannot open it.
     #[arg(long = "build-allow-net", value_name = "RULE")]
     build_allow_net: Vec<String>,
+    /// Most disk the layers made from sandboxes may take (pauses to disk, snapshots, forks), e.g.
+    /// 50G; a pause, snapshot or fork past it is refused (507). Default: no budget.
+    #[arg(long, value_name = "SIZE")]
+    state_budget: Option<String>,
+    /// Paused sandboxes older than this are deleted (e.g. 30d, 12h).
+    #[arg(long, value_name = "DURATION", default_value = "30d")]
+    paused_ttl: String,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -73,6 +80,8 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     if a.max_sandboxes == 0 {
         return Err(usage("--max-sandboxes must be at least 1"));
     }
+    let state_budget = a.state_budget.as_deref().map(cordon_spec::parse_size).transpose().map_err(|e| usage(format!("--state-budget: {}", e.reason)))?;
+    let paused_ttl = cordon_spec::parse_duration(&a.paused_ttl).map_err(|e| usage(format!("--paused-ttl: {}", e.reason)))?;
     if let Some(d) = &a.domain {
         if !cordon_server::tls::valid_domain(d) {
             return Err(usage(format!("--domain {d:?} is not a DNS name: give lowercase labels such as sandboxes.example.org")));
@@ -135,7 +144,9 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         }
     }
     let backend = tiers;
-    let sandboxes = cordon_server::Sandboxes::new(backend, a.max_sandboxes, a.envd_version);
+    // Paused sandboxes and snapshots outlive the server: they are read back here.
+    let saved = cordon_server::saved::Saved::open(state.images()?, state.dir(), paused_ttl, state_budget).context("open the paused sandboxes and snapshots")?;
+    let sandboxes = cordon_server::Sandboxes::with_saved(backend, a.max_sandboxes, a.envd_version, Some(saved));
     let network_default = match a.network_default {
         NetworkDefaultArg::Closed => cordon_server::network::NetworkDefault::Closed,
         NetworkDefaultArg::Open => cordon_server::network::NetworkDefault::Open,

@@ -49,7 +49,10 @@ impl Layout {
             })
             .unwrap_or_default();
         let mut v1 = Vec::new();
-        for c in ["memory", "pids", "cpu"] {
+        // The unified hierarchy freezes a group through its core `cgroup.freeze` file, with or
+        // without controllers; only a host without one needs v1's freezer hierarchy.
+        let freezer = unified.is_none().then_some("freezer");
+        for c in ["memory", "pids", "cpu"].into_iter().chain(freezer) {
             if v2_controllers.iter().any(|x| x == c) {
                 continue;
             }
@@ -281,6 +284,46 @@ impl Cgroup {
         self.v1.iter().find(|(n, _)| n == c).map(|(_, d)| d)
     }
 
+    /// Stops (`true`) or restarts (`false`) every process of the groups where it is, and waits
+    /// until the kernel says it is done: a frozen process runs no instruction and its memory
+    /// stays resident, counted against the cap as before. Through the unified hierarchy's
+    /// `cgroup.freeze` where there is one (a fatal signal still ends a frozen process there),
+    /// else v1's freezer.
+    pub fn freeze(&self, on: bool) -> io::Result<()> {
+        let (file, value, done): (PathBuf, &str, Box<dyn Fn() -> bool>) = if let Some(u) = &self.unified {
+            let events = u.join("cgroup.events");
+            let want = if on { 1 } else { 0 };
+            (u.join("cgroup.freeze"), if on { "1" } else { "0" }, Box::new(move || read_key(&events, "frozen") == Some(want)))
+        } else if let Some(d) = self.v1_dir("freezer") {
+            let state = d.join("freezer.state");
+            let want = if on { "FROZEN" } else { "THAWED" };
+            (state.clone(), want, Box::new(move || fs::read_to_string(&state).is_ok_and(|s| s.trim() == want)))
+        } else {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, "this host has neither a unified cgroup hierarchy nor a v1 freezer"));
+        };
+        write(&file, value)?;
+        // A task in an uninterruptible sleep (a page fault on a slow disk) freezes once it
+        // wakes; the wait covers that, not a task that never does.
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        while !done() {
+            if start.elapsed() > Duration::from_secs(10) {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, format!("{} did not become {value} within 10 s", file.display())));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+        Ok(())
+    }
+
+    /// Whether the groups are frozen now (see [`Cgroup::freeze`]).
+    pub fn is_frozen(&self) -> bool {
+        if let Some(u) = &self.unified {
+            return read_key(&u.join("cgroup.events"), "frozen") == Some(1);
+        }
+        self.v1_dir("freezer").is_some_and(|d| fs::read_to_string(d.join("freezer.state")).is_ok_and(|s| s.trim() == "FROZEN"))
+    }
+
     /// Removes the (empty) groups. Missing groups are not an error: removal is idempotent.
     pub fn remove(&self) -> io::Result<()> {
         let mut first_err = None;
@@ -338,6 +381,22 @@ fn read_key(p: &Path, key: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_freezer_hierarchy_is_used_only_without_a_unified_one() {
+        let root = std::env::temp_dir().join(format!("cordon-layout-{}", std::process::id()));
+        for c in ["memory", "pids", "cpu", "freezer"] {
+            fs::create_dir_all(root.join(c)).unwrap();
+            fs::write(root.join(c).join("cgroup.procs"), "").unwrap();
+        }
+        let v1 = Layout::detect_at(&root);
+        assert!(v1.v1.iter().any(|(c, _)| c == "freezer"), "{v1:?}");
+        fs::create_dir_all(root.join("unified")).unwrap();
+        fs::write(root.join("unified/cgroup.controllers"), "").unwrap();
+        let hybrid = Layout::detect_at(&root);
+        assert!(hybrid.unified.is_some() && !hybrid.v1.iter().any(|(c, _)| c == "freezer"), "{hybrid:?}");
+        let _ = fs::remove_dir_all(&root);
+    }
 
     #[test]
     fn plan_places_groups_under_cordon() {

@@ -111,13 +111,17 @@ impl Ledger {
         match read_record(dir) {
             Some(rec) => {
                 tracing::info!(id = %rec.id, "reaping {} left by a dead cordon process", self.kind);
+                // A v1 freezer holds even killed tasks until they are thawed.
+                if rec.cgroup.is_frozen() {
+                    let _ = rec.cgroup.freeze(false);
+                }
                 rec.cgroup.kill_and_wait(KILL_WAIT);
                 let _ = rec.cgroup.remove();
             }
             None if young => return false,
             None => {}
         }
-        let _ = fs::remove_dir_all(dir);
+        remove_entry_dir(dir);
         true
     }
 }
@@ -143,8 +147,25 @@ impl Entry {
     /// Removes the directory and everything in it (the lock stays held until drop, so no reaper
     /// races the removal).
     pub fn remove(&self) {
-        let _ = fs::remove_dir_all(&self.dir);
+        remove_entry_dir(&self.dir);
     }
+
+    /// Where a sandbox whose writable layer the host keeps mounts it (see [`KEPT_WRITABLE`]).
+    pub fn kept_writable(&self) -> PathBuf {
+        self.dir.join(KEPT_WRITABLE)
+    }
+}
+
+/// The directory in an entry where a writable layer the host can read is mounted (a tmpfs
+/// that the sandbox's overlay writes to); it is unmounted before the entry goes, however the
+/// owner ended.
+pub const KEPT_WRITABLE: &str = "rw";
+
+fn remove_entry_dir(dir: &Path) {
+    if let Err(e) = sys::umount_detach(&dir.join(KEPT_WRITABLE)) {
+        tracing::warn!(dir = %dir.display(), error = %e, "cannot unmount a kept writable layer");
+    }
+    let _ = fs::remove_dir_all(dir);
 }
 
 fn read_record(dir: &Path) -> Option<Record> {

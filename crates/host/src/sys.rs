@@ -131,3 +131,20 @@ pub fn which(bin: &str) -> Option<std::path::PathBuf> {
     let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
     path.split(':').map(|d| std::path::Path::new(d).join(bin)).find(|p| p.is_file())
 }
+
+/// Lazily unmounts whatever is mounted at `target`; nothing mounted there (or no such path) is
+/// not an error.
+pub fn umount_detach(target: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let t = std::ffi::CString::new(target.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `t` is a valid NUL-terminated path that lives across the call.
+    let r = unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EINVAL | libc::ENOENT) => Ok(()),
+            _ => Err(e),
+        };
+    }
+    Ok(())
+}

@@ -48,6 +48,12 @@ impl Store {
         Ok(vec![self.tree_layer(img, progress)?])
     }
 
+    /// The size of layer `diff_id` unpacked, if the store has it.
+    pub fn layer_size(&self, diff_id: &str) -> Option<u64> {
+        let d = Digest::parse(diff_id).ok()?;
+        self.layers.info(&d).map(|i| i.size_bytes)
+    }
+
     /// The tree of layer `diff_id`, if the store has it.
     pub fn layer_path(&self, diff_id: &str) -> Option<PathBuf> {
         let d = Digest::parse(diff_id).ok()?;

@@ -398,6 +398,25 @@ impl Store {
     pub fn prune(&self) -> Result<Pruned, ImageError> {
         let _lock = self.layers.lock(true)?;
         self.layers.sweep();
+        let keep = self.named_layers()?;
+        let (layers, bytes) = self.layers.remove_except(&keep)?;
+        Ok(Pruned { layers, bytes })
+    }
+
+    /// Removes those of `layers` (diff_ids) that no image names any more: what deleting one
+    /// image of layers of its own (a paused sandbox's, a snapshot's) leaves behind, without
+    /// touching any other unnamed layer (a build step's cache).
+    pub fn remove_unnamed(&self, layers: &[String]) -> Result<Pruned, ImageError> {
+        let _lock = self.layers.lock(true)?;
+        let candidates: std::collections::HashSet<Digest> = layers.iter().filter_map(|l| Digest::parse(l).ok()).collect();
+        let named = self.named_layers()?;
+        let keep = self.layers.all().into_iter().filter(|d| !candidates.contains(d) || named.contains(d)).collect();
+        let (layers, bytes) = self.layers.remove_except(&keep)?;
+        Ok(Pruned { layers, bytes })
+    }
+
+    /// Every layer some image.json names.
+    fn named_layers(&self) -> Result<std::collections::HashSet<Digest>, ImageError> {
         let mut keep = std::collections::HashSet::new();
         let rd = fs::read_dir(&self.root).map_err(|e| ImageError::io(format!("cannot list {}", self.root.display()), e))?;
         for entry in rd.flatten() {
@@ -409,8 +428,7 @@ impl Store {
             };
             keep.extend(meta.layers.iter().filter_map(|l| Digest::parse(l).ok()));
         }
-        let (layers, bytes) = self.layers.remove_except(&keep)?;
-        Ok(Pruned { layers, bytes })
+        Ok(keep)
     }
 
     /// All images, sorted by name. Damaged images are left out (and logged);

@@ -33,6 +33,7 @@ fn main() {
             tun: false,
             connect_ports: None,
             writable: None,
+            keep_writable: false,
         })
         .unwrap();
     eprintln!("created in {:?}, pid {}, uid base {}", t.elapsed(), sb.host_pid(), sb.uid_base());

@@ -80,6 +80,10 @@ pub struct SandboxConfig {
     /// image build reads the overlay's upper directory (`<path>/upper`) from it once the sandbox
     /// is gone and then calls [`release_writable`]. The path must not exist yet.
     pub writable: Option<PathBuf>,
+    /// Keep the writable layer in the sandbox's run directory, where the host can read it
+    /// while the sandbox lives (see [`Sandbox::writable_upper`]) and which goes with the
+    /// sandbox, however its owner ends. Ignored when `writable` is given.
+    pub keep_writable: bool,
 }
 
 /// Unmounts and removes a writable layer kept with [`SandboxConfig::writable`].
@@ -150,6 +154,7 @@ impl Jail {
             audit: None,
             tun: None,
             kept_writable: None,
+            keeps_writable: false,
         };
         // From here on, dropping `sb` on any error undoes every step taken so far.
         let slot = self.slots.acquire().ok_or(JailError::NoSlot(self.slots.capacity()))?;
@@ -157,7 +162,8 @@ impl Jail {
         sb.slot = Some(slot);
         sb.socket = sb.entry.dir().join("agent.sock");
         let uid_base = UID_BASE + slot_index * UID_COUNT;
-        let staging = match &cfg.writable {
+        let in_entry = (cfg.writable.is_none() && cfg.keep_writable).then(|| sb.entry.kept_writable());
+        let staging = match cfg.writable.as_ref().or(in_entry.as_ref()) {
             None => {
                 let staging = sb.entry.dir().join("root");
                 fs::create_dir(&staging).map_err(io_err("create staging dir"))?;
@@ -167,11 +173,16 @@ impl Jail {
                 fs::create_dir(w).map_err(io_err(format!("create the writable layer's directory {}", w.display())))?;
                 // Owned by the sandbox's root, so that it can make the overlay's directories.
                 let opts = format!("size={},mode=0755,uid={uid_base},gid={uid_base}", cfg.limits.disk_bytes);
-                if let Err(e) = sys::mount("cordon-build-rw", w, "tmpfs", libc::MS_NOATIME | libc::MS_NOSUID | libc::MS_NODEV, Some(&opts)) {
+                if let Err(e) = sys::mount("cordon-rw", w, "tmpfs", libc::MS_NOATIME | libc::MS_NOSUID | libc::MS_NODEV, Some(&opts)) {
                     let _ = fs::remove_dir(w);
                     return Err(io_err("mount the writable layer")(e));
                 }
-                sb.kept_writable = Some(w.clone());
+                // One in the run directory goes with the entry; another is the caller's once
+                // the create succeeds.
+                match in_entry {
+                    Some(_) => sb.keeps_writable = true,
+                    None => sb.kept_writable = Some(w.clone()),
+                }
                 w.clone()
             }
         };
@@ -183,7 +194,7 @@ impl Jail {
             layers: cfg.layers.clone(),
             staging,
             socket: sb.socket.clone(),
-            premounted: cfg.writable.is_some(),
+            premounted: cfg.writable.is_some() || sb.keeps_writable,
             uid_base,
             uid_count: UID_COUNT,
             cgroup_procs: sb.cgroup.procs_files(),
@@ -234,9 +245,18 @@ pub struct Sandbox {
     /// A kept writable layer mounted by a `create` that has not succeeded yet: released if
     /// the create fails (see [`SandboxConfig::writable`]).
     kept_writable: Option<PathBuf>,
+    /// The writable layer is a host mount in the run directory ([`SandboxConfig::keep_writable`]).
+    keeps_writable: bool,
 }
 
 impl Sandbox {
+    /// The overlay's upper directory (the sandbox's own files), when the host keeps the
+    /// writable layer: readable from the host while the sandbox lives, consistent while it is
+    /// frozen. Owners are host uids, shifted by [`Sandbox::uid_base`].
+    pub fn writable_upper(&self) -> Option<PathBuf> {
+        self.keeps_writable.then(|| self.entry.kept_writable().join("upper"))
+    }
+
     /// The host end of the sandbox's TUN interface, once; `None` without an egress policy.
     pub fn take_tun(&mut self) -> Option<OwnedFd> {
         self.tun.take()
@@ -334,6 +354,10 @@ impl HostSandbox for Sandbox {
     /// How much Landlock the kernel enforced (`unknown` if the init never said).
     fn landlock(&self) -> Option<String> {
         Some(self.landlock.map_or("unknown", landlock::Enforced::as_str).to_string())
+    }
+
+    fn writable_layer(&self) -> Option<cordon_sandbox::WritableLayer> {
+        Some(cordon_sandbox::WritableLayer { upper: self.writable_upper()?, uid_base: self.uid_base() })
     }
 }
 

@@ -17,6 +17,13 @@ pub struct Capabilities {
     /// The OOM-kill count is the host's own and costs nothing to read; `false` when it is a
     /// round trip to the sandbox (a guest kernel's count), asked only when it can matter.
     pub host_oom_count: bool,
+    /// A sandbox can be frozen in place ([`Sandbox::freeze`]): a pause that keeps every
+    /// process, its memory resident and counted against the cap, and uses no CPU.
+    pub freeze: bool,
+    /// A sandbox created with `keep_writable` gives the host its writable layer while it
+    /// runs ([`Sandbox::writable_layer`]): its files can become a layer (a snapshot, a fork, a
+    /// filesystem-only pause).
+    pub keep_writable: bool,
 }
 
 impl Capabilities {

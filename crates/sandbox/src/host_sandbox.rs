@@ -32,6 +32,10 @@ pub trait HostSandbox: Send {
     fn denials(&self) -> Vec<Denial> {
         Vec::new()
     }
+    /// The writable layer the host keeps, where the tier does (see [`Sandbox::writable_layer`]).
+    fn writable_layer(&self) -> Option<crate::WritableLayer> {
+        None
+    }
 }
 
 /// A tier's handle with its forwarder and its image's start command.
@@ -98,11 +102,23 @@ impl<S: HostSandbox> Sandbox for HostBacked<S> {
         self.start.as_ref()
     }
 
+    fn writable_layer(&self) -> Option<crate::WritableLayer> {
+        self.sandbox.writable_layer()
+    }
+
+    fn freeze(&self, on: bool) -> Result<(), Error> {
+        self.sandbox.cgroup().freeze(on).map_err(|e| Error::failed(if on { "freeze the sandbox" } else { "thaw the sandbox" }, e))
+    }
+
     fn destroy(&mut self) -> Result<(), Error> {
         // The sandbox's processes go first, so nothing more is sent and its CPU quota is free
         // for the forwarder's thread (charged to the same group) to wind down at once; then the
         // forwarder, so nothing more is dialled; then the tier's own teardown.
         self.sandbox.kill();
+        // A v1 freezer holds even killed tasks until thawed; the unified one lets SIGKILL in.
+        if self.sandbox.cgroup().is_frozen() {
+            let _ = self.sandbox.cgroup().freeze(false);
+        }
         self.egress.stop();
         self.sandbox.destroy().map_err(|e| Error::failed("teardown", e))
     }

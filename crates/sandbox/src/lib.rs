@@ -36,7 +36,7 @@ pub use backend::{Backend, Capabilities, Host};
 pub use cordon_net::Blocked;
 pub use diagnosis::{Diagnosis, Finding};
 pub use error::Error;
-pub use sandbox::{Denial, Sandbox};
+pub use sandbox::{Denial, Sandbox, WritableLayer};
 pub use cordon_spec::SandboxSpec;
 pub use tiers::{TierEntry, Tiers};
 

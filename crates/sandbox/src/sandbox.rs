@@ -16,6 +16,14 @@ pub struct Denial {
     pub pids: Vec<u32>,
 }
 
+/// A sandbox's writable layer as the host sees it: an overlay upper directory, whose owners
+/// are the sandbox's uids shifted by `uid_base` (sandbox uid N is host uid `uid_base + N`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WritableLayer {
+    pub upper: std::path::PathBuf,
+    pub uid_base: u32,
+}
+
 /// A live sandbox. Only `socket_path`, `death_fd`, `memory_current` and `destroy` are required;
 /// the rest have defaults for tiers that cannot tell (what a tier can tell is in its
 /// [`crate::Capabilities`]). A figure the tier cannot read is `None`, never a 0 that would look
@@ -73,6 +81,17 @@ pub trait Sandbox: Send {
     /// work inside it, like its start command's readiness, are stretched by this.
     fn slowdown(&self) -> u32 {
         1
+    }
+    /// Freezes (`true`) or thaws (`false`) every process of the sandbox where it is, waiting
+    /// until the kernel has done it. Blocking. Tiers without [`crate::Capabilities::freeze`]
+    /// refuse.
+    fn freeze(&self, _on: bool) -> Result<(), Error> {
+        Err(Error::Unavailable("this tier cannot pause a sandbox in place".into()))
+    }
+    /// The sandbox's own files as the host can read them, when it was created with
+    /// `keep_writable` on a tier that keeps it (see [`crate::Capabilities::keep_writable`]).
+    fn writable_layer(&self) -> Option<WritableLayer> {
+        None
     }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), Error>;

@@ -70,6 +70,23 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         (&Method::GET, _, ["sandboxes"]) => list(app, req.uri().query()),
         (&Method::GET, false, ["sandboxes", id]) => detail(app, id),
         (&Method::DELETE, false, ["sandboxes", id]) => kill(app, id).await,
+        (&Method::POST, false, ["sandboxes", id, "pause"]) => {
+            let id = id.to_string();
+            pause(app, &id, req).await
+        }
+        (&Method::POST, false, ["sandboxes", id, "resume"]) => {
+            let id = id.to_string();
+            resume(app, &id, req).await
+        }
+        (&Method::POST, false, ["sandboxes", id, "snapshots"]) => {
+            let id = id.to_string();
+            snapshot(app, &id, req).await
+        }
+        (&Method::GET, false, ["snapshots"]) => snapshots(app, req.uri().query()),
+        (&Method::POST, false, ["sandboxes", id, "fork"]) => {
+            let id = id.to_string();
+            fork(app, &id, req).await
+        }
         (&Method::POST, false, ["sandboxes", id, "timeout"]) => {
             let id = id.to_string();
             set_timeout(app, &id, req).await
@@ -98,9 +115,16 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         (&Method::POST, false, ["templates", "tags"]) => templates(app)?.assign_tags(req).await,
         (&Method::DELETE, false, ["templates", "tags"]) => templates(app)?.remove_tags(req).await,
         (&Method::GET, false, ["templates", id, "tags"]) => templates(app)?.tags(id),
-        (&Method::DELETE, false, ["templates", id]) => templates(app)?.delete(id),
-        (_, false, ["sandboxes", _, op @ ("pause" | "resume" | "snapshots" | "fork" | "refreshes")]) => Err(
-            ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("'{op}' is not supported by cordon: sandboxes run until killed or timed out")).no_retry(),
+        (&Method::DELETE, false, ["templates", id]) => {
+            // A snapshot is deleted as a template (its id arrives percent-encoded).
+            let reference = query::percent_decode(id, false);
+            match crate::snapshots::delete(&app.sandboxes, &reference).await? {
+                Some(()) => Ok(empty(StatusCode::NO_CONTENT)),
+                None => templates(app)?.delete(id),
+            }
+        }
+        (_, false, ["sandboxes", _, op @ "refreshes"]) => Err(
+            ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("'{op}' is not supported by cordon: use connect or set_timeout to extend a sandbox's life")).no_retry(),
         ),
         _ => Err(ApiError::not_found(format!("no API endpoint {method} {path}"))),
     }
@@ -139,6 +163,18 @@ struct CreateBody {
     /// otherwise the server's network default decides what no rules mean (see `network`).
     allow_internet_access: Option<bool>,
     network: Option<NetworkBody>,
+    #[serde(rename = "autoPause")]
+    auto_pause: Option<bool>,
+    #[serde(rename = "autoPauseMemory")]
+    auto_pause_memory: Option<bool>,
+    #[serde(rename = "autoResume")]
+    auto_resume: Option<AutoResume>,
+}
+
+/// `autoResume: {"enabled": bool}`.
+#[derive(Deserialize)]
+struct AutoResume {
+    enabled: Option<bool>,
 }
 
 /// E2B's network config: `allowOut` and `denyOut` take cordon's rule forms (domain,
@@ -183,9 +219,14 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
         Some(t) => t.parse().map_err(|e: cordon_spec::SpecError| ApiError::bad_request(format!("tier: {}", e.reason)))?,
     };
     let template = b.template_id.filter(|t| !t.is_empty()).unwrap_or_else(|| "base".to_string());
+    // A snapshot (`<templateID>:default`, `name[:tag]`) starts a sandbox of its files.
+    let snapshot = app.sandboxes.saved.as_ref().and_then(|s| s.snapshots.resolve(&template));
     // A built template's name (`name`, `name:tag`) or id means the image of its build.
-    let template = app.templates.as_ref().and_then(|t| t.resolve(&template)).unwrap_or(template);
-    if cordon_image::validate_name(&template).is_err() {
+    let template = match &snapshot {
+        Some(_) => template,
+        None => app.templates.as_ref().and_then(|t| t.resolve(&template)).unwrap_or(template),
+    };
+    if snapshot.is_none() && cordon_image::validate_name(&template).is_err() {
         return Err(ApiError::bad_request(format!("template '{template}' is not a valid image name")));
     }
     let cpu_count = b.cpu_count.unwrap_or(DEFAULT_CPUS);
@@ -229,15 +270,32 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
         Some(n) => crate::traffic::Traffic::new(n.allow_public_traffic, n.mask_request_host.clone())?,
         None => Default::default(),
     };
-    if let Some(builds) = &app.builds {
+    let timeout = timeout_from(b.timeout, DEFAULT_TIMEOUT_SECS)?;
+    let lifecycle = crate::pause::Lifecycle::from_create(b.auto_pause, b.auto_pause_memory, b.auto_resume.and_then(|a| a.enabled), timeout)?;
+    if let Some(builds) = snapshot.is_none().then_some(app.builds.as_ref()).flatten() {
         builds.ready(&app.images, &template).await?;
     }
-    let entry = app
+    let who = crate::registry::Identity::fresh();
+    // A sandbox of a snapshot runs on an image of its own over the snapshot's layers, so that
+    // the snapshot can be deleted while the sandbox lives.
+    let (image, own_image) = match (&snapshot, &app.sandboxes.saved) {
+        (Some(snap), Some(saved)) => {
+            let own = format!("{}{}-{}", crate::saved::OWN_PREFIX, who.id, crate::saved::unix_ms(SystemTime::now()));
+            saved.own_copy(snap, &own).await?;
+            (own.clone(), Some(own))
+        }
+        _ => (template.clone(), None),
+    };
+    let created = app
         .sandboxes
-        .create(NewSandbox {
+        .create_as(
+            NewSandbox {
             tier,
             template,
-            timeout: timeout_from(b.timeout, DEFAULT_TIMEOUT_SECS)?,
+            image,
+            own_image: own_image.clone(),
+            lifecycle,
+            timeout,
             metadata: b.metadata.unwrap_or_default(),
             env_vars,
             cpu_count,
@@ -245,8 +303,18 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             disk_mb,
             network,
             traffic,
-        })
-        .await?;
+            },
+            who,
+        )
+        .await;
+    let entry = match (created, own_image, &app.sandboxes.saved) {
+        (Ok(e), _, _) => e,
+        (Err(err), Some(own), Some(saved)) => {
+            saved.drop_image(&own).await;
+            return Err(err);
+        }
+        (Err(err), _, _) => return Err(err),
+    };
     Ok(json_response(StatusCode::CREATED, &sandbox_json(&entry, app.domain.as_deref())))
 }
 
@@ -269,34 +337,66 @@ pub fn sandbox_json(e: &LiveSandbox, domain: Option<&str>) -> Value {
     })
 }
 
-/// `SandboxDetail` / `ListedSandbox`.
+/// `SandboxDetail` / `ListedSandbox` of a live sandbox (running, or paused in place).
 pub fn detail_json(e: &LiveSandbox, domain: Option<&str>) -> Value {
-    let network = e.network();
-    json!({
+    let frozen = e.frozen_at();
+    let mut v = json!({
         "templateID": e.template,
         "sandboxID": e.id,
         "clientID": "cordon",
         "alias": e.template,
         "startedAt": iso(e.started_at),
-        "endAt": iso(e.end_at()),
+        // A paused sandbox's end is its pause.
+        "endAt": iso(frozen.unwrap_or_else(|| e.end_at())),
         "envdVersion": e.envd_version,
         "envdAccessToken": e.token,
         "cpuCount": e.cpu_count,
         "memoryMB": e.memory_mb,
         "diskSizeMB": e.disk_mb,
-        "state": "running",
+        "state": if frozen.is_some() { "paused" } else { "running" },
         "metadata": e.metadata,
         "domain": domain,
-        "lifecycle": {"autoResume": false, "onTimeout": "kill"},
-        // The policy in force, in cordon's rule forms: an empty allowOut means no network at
-        // all, whatever denyOut says; the open default shows as 0.0.0.0/0 and ::/0.
-        "network": {
-            "default": if network.resolve_unlisted { "open" } else { "closed" },
-            "allowOut": network.allow.iter().map(ToString::to_string).collect::<Vec<_>>(),
-            "denyOut": network.deny.iter().map(ToString::to_string).collect::<Vec<_>>(),
-            "allowPublicTraffic": e.traffic.public,
-            "maskRequestHost": e.traffic.mask_host,
-        },
+        "lifecycle": e.lifecycle.to_json(),
+        "network": network_json(&e.network(), &e.traffic),
+    });
+    if frozen.is_some() {
+        v["pauseMode"] = json!(crate::pause::PauseMode::Full.as_str());
+    }
+    v
+}
+
+/// `SandboxDetail` / `ListedSandbox` of a sandbox paused to its files.
+pub fn saved_json(r: &crate::saved::Record, domain: Option<&str>) -> Value {
+    json!({
+        "templateID": r.template,
+        "sandboxID": r.id,
+        "clientID": "cordon",
+        "alias": r.template,
+        "startedAt": iso(r.started_at()),
+        "endAt": iso(r.paused_at()),
+        "envdVersion": r.envd_version,
+        "envdAccessToken": r.token,
+        "cpuCount": r.cpu_count,
+        "memoryMB": r.memory_mb,
+        "diskSizeMB": r.disk_mb,
+        "state": "paused",
+        "pauseMode": crate::pause::PauseMode::Filesystem.as_str(),
+        "metadata": r.metadata,
+        "domain": domain,
+        "lifecycle": r.lifecycle.to_json(),
+        "network": network_json(&r.network, &crate::traffic::Traffic { public: r.public_traffic, mask_host: r.mask_host.clone() }),
+    })
+}
+
+/// The policy in force, in cordon's rule forms: an empty allowOut means no network at all,
+/// whatever denyOut says; the open default shows as 0.0.0.0/0 and ::/0.
+fn network_json(network: &cordon_spec::NetworkPolicy, traffic: &crate::traffic::Traffic) -> Value {
+    json!({
+        "default": if network.resolve_unlisted { "open" } else { "closed" },
+        "allowOut": network.allow.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "denyOut": network.deny.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "allowPublicTraffic": traffic.public,
+        "maskRequestHost": traffic.mask_host,
     })
 }
 
@@ -305,15 +405,105 @@ fn not_found(id: &str) -> ApiError {
 }
 
 fn detail(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
-    let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
-    Ok(json_response(StatusCode::OK, &detail_json(&e, app.domain.as_deref())))
+    if let Some(e) = app.sandboxes.get(id) {
+        return Ok(json_response(StatusCode::OK, &detail_json(&e, app.domain.as_deref())));
+    }
+    let r = app.sandboxes.saved.as_ref().and_then(|s| s.get(id)).ok_or_else(|| not_found(id))?;
+    Ok(json_response(StatusCode::OK, &saved_json(&r, app.domain.as_deref())))
 }
 
 async fn kill(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
-    if !app.sandboxes.remove(id, "killed by the API").await {
+    if !crate::pause::kill(&app.sandboxes, id).await {
         return Err(not_found(id));
     }
     Ok(empty(StatusCode::NO_CONTENT))
+}
+
+/// `SandboxPauseRequest`: `memory` (default true) keeps the processes; false keeps files only.
+#[derive(Deserialize, Default)]
+struct PauseBody {
+    memory: Option<bool>,
+    #[serde(rename = "requireHealthyGuest")]
+    require_healthy_guest: Option<bool>,
+}
+
+async fn pause(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let b: PauseBody = read_json(req, true).await?;
+    if b.require_healthy_guest == Some(true) {
+        // A sandbox whose agent does not answer cannot be paused healthy.
+        if let Some(e) = app.sandboxes.get(id).filter(|e| e.frozen_at().is_none()) {
+            let healthy = cordon_envd::EnvdClient::new(e.socket.clone()).wait_healthy(Duration::from_secs(2)).await.is_ok();
+            if !healthy {
+                return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("sandbox {id}'s agent does not answer: it cannot be paused healthy")).no_retry());
+            }
+        }
+    }
+    crate::pause::pause(&app.sandboxes, id, b.memory.unwrap_or(true), false).await?;
+    Ok(empty(StatusCode::NO_CONTENT))
+}
+
+/// The deprecated `POST /sandboxes/{id}/resume`: 201 once resumed, 409 when it runs.
+async fn resume(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let b: ConnectBody = read_json(req, true).await?;
+    if app.sandboxes.get(id).is_some_and(|e| e.frozen_at().is_none()) {
+        return Err(ApiError::new(StatusCode::CONFLICT, format!("sandbox {id} is already running")).no_retry());
+    }
+    let timeout = timeout_from(b.timeout, DEFAULT_TIMEOUT_SECS)?;
+    let (e, _) = crate::pause::resume(&app.sandboxes, id, timeout).await?;
+    Ok(json_response(StatusCode::CREATED, &sandbox_json(&e, app.domain.as_deref())))
+}
+
+#[derive(Deserialize, Default)]
+struct SnapshotBody {
+    name: Option<String>,
+    memory: Option<bool>,
+}
+
+async fn snapshot(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let b: SnapshotBody = read_json(req, true).await?;
+    let v = crate::snapshots::create(&app.sandboxes, id, b.name.as_deref(), b.memory).await?;
+    Ok(json_response(StatusCode::CREATED, &v))
+}
+
+fn snapshots(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
+    let limit = parse_limit(q)?;
+    let sandbox = query::get(q, "sandboxID").filter(|s| !s.is_empty());
+    let name = query::get(q, "name").filter(|s| !s.is_empty());
+    let after = query::get(q, "nextToken").filter(|s| !s.is_empty());
+    let (items, next) = crate::snapshots::list(&app.sandboxes, sandbox.as_deref(), name.as_deref(), limit, after.as_deref());
+    let mut r = json_response(StatusCode::OK, &Value::Array(items));
+    if let Some(v) = next.and_then(|n| HeaderValue::from_str(&n).ok()) {
+        r.headers_mut().insert("x-next-token", v);
+    }
+    Ok(r)
+}
+
+#[derive(Deserialize, Default)]
+struct ForkBody {
+    timeout: Option<i64>,
+    count: Option<i64>,
+}
+
+async fn fork(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let b: ForkBody = read_json(req, true).await?;
+    let count = b.count.unwrap_or(1);
+    let max = crate::fork::MAX_FORKS.min(app.sandboxes.max() as u32);
+    if count < 1 || count > max as i64 {
+        return Err(ApiError::bad_request(format!("count {count} is out of range: use 1 to {max}")));
+    }
+    let timeout = timeout_from(b.timeout, crate::fork::DEFAULT_FORK_TIMEOUT_SECS)?;
+    let entries = crate::fork::fork(&app.sandboxes, id, count as u32, timeout, app.domain.as_deref()).await?;
+    Ok(json_response(StatusCode::CREATED, &Value::Array(entries)))
+}
+
+fn parse_limit(q: Option<&str>) -> Result<usize, ApiError> {
+    match query::get(q, "limit") {
+        None => Ok(MAX_LIMIT),
+        Some(l) => match l.parse::<usize>() {
+            Ok(n) if (1..=MAX_LIMIT).contains(&n) => Ok(n),
+            _ => Err(ApiError::bad_request(format!("limit {l:?} is out of range: use 1 to {MAX_LIMIT}"))),
+        },
+    }
 }
 
 fn empty(status: StatusCode) -> Response<Body> {
@@ -339,15 +529,22 @@ struct ConnectBody {
     timeout: Option<i64>,
 }
 
+/// Connect: a paused sandbox is resumed (201, for the timeout asked, E2B's 300 s default); a
+/// running one's life is only ever extended (200).
 async fn connect(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     let b: ConnectBody = read_json(req, true).await?;
-    let e = match b.timeout {
-        Some(t) => app.sandboxes.extend(id, timeout_from(Some(t), 0)?),
-        None => app.sandboxes.get(id),
-    };
+    let running = app.sandboxes.get(id).filter(|e| e.frozen_at().is_none());
+    if let Some(e) = running {
+        if let Some(t) = b.timeout {
+            app.sandboxes.extend(id, timeout_from(Some(t), 0)?);
+        }
+        return Ok(json_response(StatusCode::OK, &sandbox_json(&e, app.domain.as_deref())));
+    }
+    let timeout = timeout_from(b.timeout, DEFAULT_TIMEOUT_SECS)?;
     // The SDK's message for a 404 here speaks of a paused sandbox; ours says what happened.
-    let e = e.ok_or_else(|| not_found(id))?;
-    Ok(json_response(StatusCode::OK, &sandbox_json(&e, app.domain.as_deref())))
+    let (e, resumed) = crate::pause::resume(&app.sandboxes, id, timeout).await?;
+    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    Ok(json_response(status, &sandbox_json(&e, app.domain.as_deref())))
 }
 
 /// E2B's metrics: the samples inside `start..=end` (unix seconds, both optional), oldest first;
@@ -416,10 +613,22 @@ fn template_alias(app: &Arc<App>, alias: &str) -> Result<Response<Body>, ApiErro
     }
 }
 
-/// Page position: start time, ties broken by id, so that a token names a stable position.
-/// Pages run newest first unless the caller asks for `order=asc` (E2B's default is desc).
-fn sort_key(e: &LiveSandbox) -> (u128, String) {
-    (e.started_at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()), e.id.clone())
+/// One sandbox of a list, running or paused (in place or to its files).
+struct Listed {
+    started_at: SystemTime,
+    id: String,
+    template: String,
+    metadata: BTreeMap<String, String>,
+    paused: bool,
+    json: Value,
+}
+
+impl Listed {
+    /// Page position: start time, ties broken by id, so that a token names a stable position.
+    /// Pages run newest first unless the caller asks for `order=asc` (E2B's default is desc).
+    fn sort_key(&self) -> (u128, String) {
+        (self.started_at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()), self.id.clone())
+    }
 }
 
 fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
@@ -429,23 +638,14 @@ fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
     };
     // `state` may come comma-joined or repeated, depending on the client.
     let states: Vec<String> = query::pairs(q).into_iter().filter(|(k, _)| k == "state").map(|(_, v)| v).collect();
-    let want_running = match states.is_empty() {
-        true => true,
-        false => {
-            let states: Vec<&str> = states.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()).collect();
-            if let Some(bad) = states.iter().find(|s| !matches!(**s, "running" | "paused")) {
-                return Err(ApiError::bad_request(format!("state '{bad}' is unknown: use running or paused")));
-            }
-            states.is_empty() || states.contains(&"running")
-        }
-    };
-    let limit = match query::get(q, "limit") {
-        None => MAX_LIMIT,
-        Some(l) => match l.parse::<usize>() {
-            Ok(n) if (1..=MAX_LIMIT).contains(&n) => n,
-            _ => return Err(ApiError::bad_request(format!("limit {l:?} is out of range: use 1 to {MAX_LIMIT}"))),
-        },
-    };
+    let states: Vec<&str> = states.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()).collect();
+    if let Some(bad) = states.iter().find(|s| !matches!(**s, "running" | "paused")) {
+        return Err(ApiError::bad_request(format!("state '{bad}' is unknown: use running or paused")));
+    }
+    // No state: both, as on E2B.
+    let want_running = states.is_empty() || states.contains(&"running");
+    let want_paused = states.is_empty() || states.contains(&"paused");
+    let limit = parse_limit(q)?;
     let after = match query::get(q, "nextToken").filter(|t| !t.is_empty()) {
         None => None,
         Some(t) => {
@@ -467,7 +667,31 @@ fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
                 .to_system_time(),
         ),
     };
-    let mut items: Vec<Arc<LiveSandbox>> = if want_running { app.sandboxes.all() } else { Vec::new() };
+    let domain = app.domain.as_deref();
+    let mut items: Vec<Listed> = app
+        .sandboxes
+        .all()
+        .iter()
+        .map(|e| Listed {
+            started_at: e.started_at,
+            id: e.id.clone(),
+            template: e.template.clone(),
+            metadata: e.metadata.clone(),
+            paused: e.frozen_at().is_some(),
+            json: detail_json(e, domain),
+        })
+        .collect();
+    if let Some(saved) = &app.sandboxes.saved {
+        items.extend(saved.all().iter().map(|r| Listed {
+            started_at: r.started_at(),
+            id: r.id.clone(),
+            template: r.template.clone(),
+            metadata: r.metadata.clone(),
+            paused: true,
+            json: saved_json(r, domain),
+        }));
+    }
+    items.retain(|e| if e.paused { want_paused } else { want_running });
     items.retain(|e| filter.iter().all(|(k, v)| e.metadata.get(k) == Some(v)));
     if let Some(t) = &template {
         items.retain(|e| &e.template == t);
@@ -475,24 +699,24 @@ fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
     if let Some(t) = started_after {
         items.retain(|e| e.started_at >= t);
     }
-    items.sort_by_key(|e| sort_key(e));
+    items.sort_by_key(Listed::sort_key);
     if ascending {
         if let Some(a) = &after {
-            items.retain(|e| sort_key(e) > *a);
+            items.retain(|e| e.sort_key() > *a);
         }
     } else {
         items.reverse();
         if let Some(a) = &after {
-            items.retain(|e| sort_key(e) < *a);
+            items.retain(|e| e.sort_key() < *a);
         }
     }
     let more = items.len() > limit;
     items.truncate(limit);
-    let body: Vec<Value> = items.iter().map(|e| detail_json(e, app.domain.as_deref())).collect();
+    let body: Vec<Value> = items.iter().map(|e| e.json.clone()).collect();
     let mut r = json_response(StatusCode::OK, &Value::Array(body));
     if more {
         if let Some(last) = items.last() {
-            let (n, id) = sort_key(last);
+            let (n, id) = last.sort_key();
             if let Ok(v) = HeaderValue::from_str(&format!("{n}_{id}")) {
                 r.headers_mut().insert("x-next-token", v);
             }

@@ -30,7 +30,13 @@ use crate::{port_token, App, Body, ENVD_PORT};
 const HOP_BY_HOP: &[&str] = &["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer", "upgrade"];
 
 pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incoming>) -> Response<Body> {
-    let Some(entry) = app.sandboxes.get(id) else { return sandbox_not_found(id) };
+    let Some(mut entry) = app.sandboxes.get(id) else { return sandbox_not_found(id) };
+    // A sandbox paused in place answers as a missing one (the SDKs' `is_running()` is false),
+    // unless its lifecycle lets traffic wake it: then a request it would admit does.
+    let paused = entry.frozen_at().is_some();
+    if paused && !entry.lifecycle.auto_resume {
+        return sandbox_not_found(id);
+    }
     if port == ENVD_PORT {
         match authorize(&entry, &req) {
             Err(e) => return e.into_response(),
@@ -51,6 +57,15 @@ pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incomi
         if let Err(e) = entry.traffic.admit(&entry, port, token_checked, req.headers_mut()) {
             return e.into_response();
         }
+    }
+    if paused {
+        let timeout = std::time::Duration::from_secs(entry.lifecycle.resume_timeout_secs);
+        match crate::pause::resume(&app.sandboxes, id, timeout).await {
+            Ok((e, _)) => entry = e,
+            Err(e) if e.status == StatusCode::NOT_FOUND => return sandbox_not_found(id),
+            Err(e) => return e.into_response(),
+        }
+        tracing::info!(sandbox = %id, port, "sandbox woken by a request");
     }
     let Ok(permit) = entry.streams.clone().try_acquire_owned() else {
         return ApiError::new(

@@ -1,5 +1,6 @@
-//! The live sandboxes: who they are, their tokens, their deadlines, and the only code that asks
-//! the backend to create or destroy one.
+//! The sandboxes: who they are, their tokens, their deadlines, and the only code that asks
+//! the backend to create or destroy one. A sandbox is live (running, or paused with its memory:
+//! frozen in place) or saved (paused to its files only, on disk: see [`crate::saved`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -40,6 +41,19 @@ pub struct LiveSandbox {
     network: Mutex<cordon_spec::NetworkPolicy>,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
+    /// The store image it runs on: the template's, or an image of its own (a resumed or forked
+    /// sandbox's files; see `own_image`).
+    pub image: String,
+    /// An image made for this sandbox alone, deleted (with the layers only it names) once the
+    /// sandbox is gone.
+    pub own_image: Option<String>,
+    /// What happens at its deadline, and whether traffic wakes it (E2B's `lifecycle`).
+    pub lifecycle: crate::pause::Lifecycle,
+    /// When it was paused in place (frozen), while it is.
+    frozen: Mutex<Option<SystemTime>>,
+    /// Held by every change of state (pause, resume, snapshot, fork, kill), so they happen one
+    /// at a time per sandbox.
+    pub transition: tokio::sync::Mutex<()>,
     pub started_at: SystemTime,
     pub cpu_count: u32,
     pub memory_mb: u64,
@@ -59,8 +73,17 @@ impl LiveSandbox {
         *self.end_at.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn set_end_at(&self, t: SystemTime) {
+    pub(crate) fn set_end_at(&self, t: SystemTime) {
         *self.end_at.lock().unwrap_or_else(|p| p.into_inner()) = t;
+    }
+
+    /// When it was paused in place, if it is paused now.
+    pub fn frozen_at(&self) -> Option<SystemTime> {
+        *self.frozen.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn set_frozen(&self, at: Option<SystemTime>) {
+        *self.frozen.lock().unwrap_or_else(|p| p.into_inner()) = at;
     }
 
     /// Whether it still has its instance (not destroyed yet).
@@ -69,7 +92,7 @@ impl LiveSandbox {
     }
 
     /// `f` of the live instance, or `default` once it has been destroyed.
-    fn with_instance<T>(&self, default: T, f: impl FnOnce(&dyn Sandbox) -> T) -> T {
+    pub(crate) fn with_instance<T>(&self, default: T, f: impl FnOnce(&dyn Sandbox) -> T) -> T {
         self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_deref().map_or(default, f)
     }
 
@@ -109,9 +132,16 @@ impl LiveSandbox {
 }
 
 /// What a create asks for, before it has an id.
+#[derive(Clone)]
 pub struct NewSandbox {
     pub tier: cordon_spec::Tier,
+    /// The template as the API shows it (`templateID`).
     pub template: String,
+    /// The store image to run: the template's, or a saved sandbox's or a snapshot's.
+    pub image: String,
+    /// An image of this sandbox alone, deleted once it is gone (see [`LiveSandbox::own_image`]).
+    pub own_image: Option<String>,
+    pub lifecycle: crate::pause::Lifecycle,
     pub timeout: Duration,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
@@ -123,10 +153,26 @@ pub struct NewSandbox {
     pub traffic: crate::traffic::Traffic,
 }
 
+/// Who a sandbox is: new ones get fresh ids and tokens, a resumed one keeps its own.
+pub struct Identity {
+    pub id: String,
+    pub token: String,
+    pub traffic_token: String,
+}
+
+impl Identity {
+    pub fn fresh() -> Identity {
+        Identity { id: cordon_sandbox::new_id(), token: auth::new_access_token(), traffic_token: auth::new_access_token() }
+    }
+}
+
 /// The registry.
 pub struct Sandboxes {
-    backend: Arc<dyn Backend>,
+    pub(crate) backend: Arc<dyn Backend>,
     live: RwLock<HashMap<String, Arc<LiveSandbox>>>,
+    /// Sandboxes paused to their files (and the disk they are kept on), when the server keeps
+    /// state: `None` in servers without an image store of their own (tests).
+    pub(crate) saved: Option<crate::saved::Saved>,
     /// Creates under way, counted against the limit so that a burst cannot overshoot it.
     pending: AtomicUsize,
     max: usize,
@@ -144,7 +190,17 @@ impl Drop for Reservation<'_> {
 
 impl Sandboxes {
     pub fn new(backend: Arc<dyn Backend>, max: usize, envd_version: String) -> Arc<Sandboxes> {
-        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), pending: AtomicUsize::new(0), max, envd_version })
+        Sandboxes::with_saved(backend, max, envd_version, None)
+    }
+
+    /// A registry that can pause sandboxes to disk and snapshot them, through `saved`.
+    pub fn with_saved(backend: Arc<dyn Backend>, max: usize, envd_version: String, saved: Option<crate::saved::Saved>) -> Arc<Sandboxes> {
+        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version })
+    }
+
+    /// What sandboxes of `tier` can do here.
+    pub fn capabilities(&self, tier: cordon_spec::Tier) -> cordon_sandbox::Capabilities {
+        self.backend.capabilities(tier)
     }
 
     /// Refuses a network policy the tier cannot enforce, before anything is built.
@@ -168,12 +224,21 @@ impl Sandboxes {
         self.read().get(id).cloned()
     }
 
+    pub(crate) fn take(&self, id: &str) -> Option<Arc<LiveSandbox>> {
+        self.write().remove(id)
+    }
+
     pub fn by_token(&self, token: &str) -> Option<Arc<LiveSandbox>> {
         self.read().values().find(|e| auth::ct_eq(&e.token, token)).cloned()
     }
 
     pub fn all(&self) -> Vec<Arc<LiveSandbox>> {
         self.read().values().cloned().collect()
+    }
+
+    /// The concurrency limit (`--max-sandboxes`).
+    pub fn max(&self) -> usize {
+        self.max
     }
 
     pub fn len(&self) -> usize {
@@ -199,16 +264,26 @@ impl Sandboxes {
 
     /// Creates a sandbox and returns once its agent answers.
     pub async fn create(self: &Arc<Self>, req: NewSandbox) -> Result<Arc<LiveSandbox>, ApiError> {
+        self.create_as(req, Identity::fresh()).await
+    }
+
+    /// Creates a sandbox that is `who` (a new one, or a saved one resumed) and returns once its
+    /// agent answers.
+    pub async fn create_as(self: &Arc<Self>, req: NewSandbox, who: Identity) -> Result<Arc<LiveSandbox>, ApiError> {
         let _slot = self.reserve()?;
+        // Where the server keeps state and the tier can, every sandbox's files stay readable
+        // from the host, so that it can be snapshotted, forked or paused to disk.
+        let keep_writable = self.saved.is_some() && self.backend.capabilities(req.tier).keep_writable;
         let spec = SandboxSpec {
-            id: cordon_sandbox::new_id(),
+            id: who.id,
             tier: req.tier,
-            image: req.template.clone(),
+            image: req.image.clone(),
             limits: served::limits(req.memory_mb, req.cpu_count, req.disk_mb),
             env: req.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             network: req.network.clone(),
             // The audit trail is served by `GET /sandboxes/{id}/audit`; it costs an idle thread.
             audit: true,
+            keep_writable,
             ..Default::default()
         };
         let started = Instant::now();
@@ -233,8 +308,8 @@ impl Sandboxes {
             id: spec.id.clone(),
             tier: req.tier,
             template: req.template,
-            token: auth::new_access_token(),
-            traffic_token: auth::new_access_token(),
+            token: who.token,
+            traffic_token: who.traffic_token,
             token_ports: start_command
                 .iter()
                 .filter(|s| s.needs_token)
@@ -245,6 +320,11 @@ impl Sandboxes {
             network: Mutex::new(req.network),
             metadata: req.metadata,
             env_vars: req.env_vars,
+            image: req.image,
+            own_image: req.own_image,
+            lifecycle: req.lifecycle,
+            frozen: Mutex::new(None),
+            transition: tokio::sync::Mutex::new(()),
             started_at: SystemTime::now(),
             cpu_count: req.cpu_count,
             memory_mb: req.memory_mb,
@@ -257,12 +337,12 @@ impl Sandboxes {
             instance: Mutex::new(Some(instance)),
         });
         if let Err(e) = cordon_envd::EnvdClient::new(socket.to_path_buf()).wait_healthy(READY_TIMEOUT).await {
-            destroy(&entry).await;
+            self.destroy(&entry).await;
             return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
         }
         if let Some(start) = &start_command {
             if let Err(e) = crate::start_command::run(&socket, start, slowdown).await {
-                destroy(&entry).await;
+                self.destroy(&entry).await;
                 tracing::warn!(sandbox = %entry.id, template = %entry.template, "start command failed: {e}");
                 return Err(ApiError::internal(format!("template '{}': {e}", entry.template)));
             }
@@ -289,9 +369,10 @@ impl Sandboxes {
         Ok(entry)
     }
 
-    /// Sets the deadline to `now + timeout`.
+    /// Sets the deadline to `now + timeout`. A paused sandbox has no deadline to set (E2B
+    /// answers 404 there too).
     pub fn set_timeout(&self, id: &str, timeout: Duration) -> Option<Arc<LiveSandbox>> {
-        let e = self.get(id)?;
+        let e = self.get(id).filter(|e| e.frozen_at().is_none())?;
         e.set_end_at(SystemTime::now() + timeout);
         tracing::info!(sandbox = %id, timeout_s = timeout.as_secs(), "sandbox timeout set");
         Some(e)
@@ -312,17 +393,50 @@ impl Sandboxes {
     /// destroys it. False when it was not live.
     pub async fn remove(&self, id: &str, reason: &str) -> bool {
         let Some(entry) = self.write().remove(id) else { return false };
-        destroy(&entry).await;
+        self.destroy(&entry).await;
         tracing::info!(sandbox = %id, reason, "sandbox destroyed");
         true
     }
 
-    /// Destroys every sandbox whose deadline has passed.
-    pub async fn expire_due(&self) {
+    /// Ends a sandbox at its deadline: paused if its lifecycle says so (and the tier can),
+    /// destroyed otherwise; and deletes sandboxes paused for longer than the server keeps them.
+    pub async fn expire_due(self: &Arc<Self>) {
         let now = SystemTime::now();
-        let due: Vec<String> = self.read().values().filter(|e| e.end_at() <= now).map(|e| e.id.clone()).collect();
-        for id in due {
-            self.remove(&id, "timeout").await;
+        let due: Vec<Arc<LiveSandbox>> = self.read().values().filter(|e| e.frozen_at().is_none() && e.end_at() <= now).cloned().collect();
+        for e in due {
+            if e.lifecycle.auto_pause {
+                let this = self.clone();
+                let memory = e.lifecycle.auto_pause_memory;
+                // A pause to disk takes a while: the sweep goes on meanwhile.
+                tokio::spawn(async move {
+                    match crate::pause::pause(&this, &e.id, memory, true).await {
+                        Ok(()) => tracing::info!(sandbox = %e.id, "sandbox paused at its timeout"),
+                        Err(err) if err.status == StatusCode::CONFLICT => {}
+                        Err(err) => {
+                            tracing::warn!(sandbox = %e.id, "auto-pause failed, the sandbox is killed instead: {}", err.message);
+                            this.remove(&e.id, "timeout (the pause failed)").await;
+                        }
+                    }
+                });
+            } else {
+                self.remove(&e.id, "timeout").await;
+            }
+        }
+        let ttl = self.saved.as_ref().map_or(crate::saved::DEFAULT_PAUSED_TTL, |s| s.paused_ttl());
+        let stale: Vec<String> = self.read().values().filter(|e| e.frozen_at().is_some_and(|t| t + ttl <= now)).map(|e| e.id.clone()).collect();
+        for id in stale {
+            self.remove(&id, "paused for longer than --paused-ttl").await;
+        }
+        if let Some(saved) = &self.saved {
+            saved.expire(now);
+        }
+    }
+
+    /// Destroys a sandbox taken out of the registry, and the image only it used.
+    pub(crate) async fn destroy(&self, entry: &Arc<LiveSandbox>) {
+        destroy(entry).await;
+        if let (Some(image), Some(saved)) = (&entry.own_image, &self.saved) {
+            saved.drop_image(image).await;
         }
     }
 
@@ -354,7 +468,7 @@ fn spawn_metrics(entry: &Arc<LiveSandbox>) {
     });
 }
 
-async fn destroy(entry: &Arc<LiveSandbox>) {
+pub(crate) async fn destroy(entry: &Arc<LiveSandbox>) {
     let instance = entry.instance.lock().unwrap_or_else(|p| p.into_inner()).take();
     let Some(mut instance) = instance else { return };
     let id = entry.id.clone();

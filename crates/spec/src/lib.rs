@@ -106,6 +106,10 @@ pub struct SandboxSpec {
     /// Record the syscalls the host's filter denies (where the tier has one); costs a thread.
     #[serde(default)]
     pub audit: bool,
+    /// Keep the writable layer where the host can read it, so that the sandbox's files can be
+    /// taken as a layer while it runs (a snapshot, a fork, a filesystem-only pause).
+    #[serde(default)]
+    pub keep_writable: bool,
 }
 
 fn default_user() -> String {
@@ -125,6 +129,7 @@ impl Default for SandboxSpec {
             allow_ptrace: false,
             network: NetworkPolicy::default(),
             audit: false,
+            keep_writable: false,
         }
     }
 }

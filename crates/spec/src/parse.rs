@@ -33,13 +33,13 @@ pub fn parse_size(s: &str) -> Result<u64, SpecError> {
     Ok(bytes.round() as u64)
 }
 
-/// Parses `300s`, `2s`, `1.5s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
+/// Parses `300s`, `2s`, `1.5s`, `500ms`, `5m`, `1h`, `30d`, or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, SpecError> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let bad = || {
-        SpecError::new("duration", format!("'{s}' is not a duration: use e.g. 300s, 500ms, 5m or 1h"))
+        SpecError::new("duration", format!("'{s}' is not a duration: use e.g. 300s, 500ms, 5m, 1h or 30d"))
     };
     if num.is_empty() {
         return Err(bad());
@@ -50,6 +50,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, SpecError> {
         "ms" => value / 1000.0,
         "m" | "min" => value * 60.0,
         "h" => value * 3600.0,
+        "d" => value * 86400.0,
         _ => return Err(bad()),
     };
     if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
@@ -104,7 +105,8 @@ mod tests {
         assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
         assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
         assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("5d").is_err());
+        assert_eq!(parse_duration("30d").unwrap(), Duration::from_secs(30 * 86400));
+        assert!(parse_duration("5w").is_err());
     }
 
     #[test]

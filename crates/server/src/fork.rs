@@ -1,0 +1,102 @@
+//! Fork: `count` new sandboxes from a running one's files. The source is frozen while its
+//! writable layer becomes a layer, then thawed: it keeps its id, deadline and processes. Each
+//! fork is a fresh sandbox (its own id, tokens, hostname, boot, random state and clock) on an
+//! image of its own over the source's layers and that one, shared copy-on-write, with the
+//! source's template, limits, environment, metadata, network policy and lifecycle. On the tiers
+//! here a fork copies files, not processes: each fork's entry says so (`forkMode`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::StatusCode;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::registry::{Identity, NewSandbox, Sandboxes};
+use crate::saved::OWN_PREFIX;
+
+/// Most forks one request may ask for (E2B's server cap).
+pub const MAX_FORKS: u32 = 100;
+/// A fork's life when the request names none (E2B's default).
+pub const DEFAULT_FORK_TIMEOUT_SECS: u64 = 15;
+
+/// `POST /sandboxes/{id}/fork`: one entry per fork, `{sandbox}` or `{error}`.
+pub async fn fork(sandboxes: &Arc<Sandboxes>, id: &str, count: u32, timeout: Duration, domain: Option<&str>) -> Result<Vec<Value>, ApiError> {
+    if count == 0 || count > MAX_FORKS {
+        return Err(ApiError::bad_request(format!("count {count} is out of range: use 1 to {MAX_FORKS}")));
+    }
+    let saved = sandboxes.saved.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "this server keeps no state: it cannot fork sandboxes").no_retry())?;
+    let paused = || ApiError::new(StatusCode::CONFLICT, format!("sandbox '{id}' is paused and cannot be forked; resume it first")).no_retry();
+    if saved.get(id).is_some() {
+        return Err(paused());
+    }
+    let e = sandboxes.get(id).ok_or_else(|| ApiError::not_found(format!("sandbox {id} not found")))?;
+    let meta = {
+        let _turn = e.transition.lock().await;
+        if !sandboxes.get(id).is_some_and(|now| Arc::ptr_eq(&now, &e)) {
+            return Err(ApiError::not_found(format!("sandbox {id} not found")));
+        }
+        if e.frozen_at().is_some() {
+            return Err(paused());
+        }
+        if !e.with_instance(false, |i| i.writable_layer().is_some()) {
+            return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("the {} tier cannot keep a sandbox's files yet, so it cannot be forked", e.tier)).no_retry());
+        }
+        saved.check_budget(e.disk_usage().map_or(0, |(used, _)| used))?;
+        crate::pause::freeze(&e, true).await?;
+        let meta = saved.capture(&e, format!("fork of sandbox {id}")).await;
+        crate::pause::freeze(&e, false).await?;
+        meta?
+    };
+    let req = NewSandbox {
+        tier: e.tier,
+        template: e.template.clone(),
+        image: String::new(),
+        own_image: None,
+        lifecycle: e.lifecycle,
+        timeout,
+        metadata: e.metadata.clone(),
+        env_vars: e.env_vars.clone(),
+        cpu_count: e.cpu_count,
+        memory_mb: e.memory_mb,
+        disk_mb: e.disk_mb,
+        network: e.network(),
+        traffic: e.traffic.clone(),
+    };
+    let one = |n: u32| {
+        let (meta, mut req) = (meta.clone(), req.clone());
+        async move {
+            let who = Identity::fresh();
+            let image = format!("{OWN_PREFIX}{}-{}", who.id, crate::saved::unix_ms(std::time::SystemTime::now()));
+            saved.commit(&image, meta).await?;
+            req.image = image.clone();
+            req.own_image = Some(image.clone());
+            let created = sandboxes.create_as(req, who).await;
+            if created.is_err() {
+                saved.drop_image(&image).await;
+            }
+            let e = created?;
+            tracing::info!(sandbox = %e.id, source = %id, n, "sandbox forked");
+            Ok::<_, ApiError>(e)
+        }
+    };
+    let results = futures_util::future::join_all((0..count).map(one)).await;
+    let layers_made = meta.layers.last().cloned();
+    let entries: Vec<Value> = results
+        .into_iter()
+        .map(|r| match r {
+            Ok(e) => {
+                let mut s = crate::api::sandbox_json(&e, domain);
+                s["forkMode"] = json!("filesystem");
+                json!({"sandbox": s})
+            }
+            Err(err) => json!({"error": {"code": err.status.as_u16(), "message": err.message}}),
+        })
+        .collect();
+    // A layer no fork came to name (every fork failed) goes.
+    if let Some(l) = layers_made {
+        let store = saved.store().clone();
+        let _ = tokio::task::spawn_blocking(move || store.remove_unnamed(&[l])).await;
+    }
+    Ok(entries)
+}

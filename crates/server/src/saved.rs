@@ -1,0 +1,360 @@
+//! What the server keeps of sandboxes on disk: sandboxes paused to their files, and the images
+//! of their files that snapshots and forks start from.
+//!
+//! A sandbox's files become an image of the store: its template's layers and one layer made
+//! from its writable layer (taken while it is frozen, so it is consistent), shared
+//! copy-on-write by every sandbox started from it. A paused sandbox is its record,
+//! `<state>/paused/<id>.json`, and its image `paused-<id>-<ms>`; the record appears by one
+//! rename once the image is complete, so a server killed during a pause leaves either a paused
+//! sandbox or nothing: an image of this kind that no record names is deleted at the next
+//! start, with the layers only it named. Images made for one sandbox alone (a fork's, a resumed
+//! one's, one started from a snapshot) are deleted when that sandbox ends.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use hyper::StatusCode;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ApiError, ServerError};
+use crate::pause::Lifecycle;
+use crate::registry::{LiveSandbox, NewSandbox};
+
+/// How long a paused sandbox is kept unless told otherwise (E2B: 30 days).
+pub const DEFAULT_PAUSED_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Prefixes of the images made here; each name is `<prefix><sandbox or snapshot id>-<ms>`.
+pub const PAUSED_PREFIX: &str = "paused-";
+/// A fork's, a resumed sandbox's or a snapshot's sandbox's own image.
+pub const OWN_PREFIX: &str = "own-";
+/// A snapshot's image (see [`crate::snapshots`]).
+pub const SNAPSHOT_PREFIX: &str = "snap-";
+
+/// A sandbox paused to its files: everything a resume needs to start it again as itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    pub id: String,
+    pub tier: cordon_spec::Tier,
+    pub template: String,
+    /// The image of its files.
+    pub image: String,
+    pub token: String,
+    pub traffic_token: String,
+    pub public_traffic: bool,
+    pub mask_host: Option<String>,
+    pub network: cordon_spec::NetworkPolicy,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub cpu_count: u32,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub lifecycle: Lifecycle,
+    pub envd_version: String,
+    pub started_unix_ms: u64,
+    pub paused_unix_ms: u64,
+}
+
+impl Record {
+    /// The create that starts it again, for `timeout`.
+    pub fn new_sandbox(&self, timeout: Duration) -> NewSandbox {
+        NewSandbox {
+            tier: self.tier,
+            template: self.template.clone(),
+            image: self.image.clone(),
+            own_image: Some(self.image.clone()),
+            lifecycle: self.lifecycle,
+            timeout,
+            metadata: self.metadata.clone(),
+            env_vars: self.env_vars.clone(),
+            cpu_count: self.cpu_count,
+            memory_mb: self.memory_mb,
+            disk_mb: self.disk_mb,
+            network: self.network.clone(),
+            traffic: crate::traffic::Traffic { public: self.public_traffic, mask_host: self.mask_host.clone() },
+        }
+    }
+
+    pub fn started_at(&self) -> SystemTime {
+        UNIX_EPOCH + Duration::from_millis(self.started_unix_ms)
+    }
+
+    pub fn paused_at(&self) -> SystemTime {
+        UNIX_EPOCH + Duration::from_millis(self.paused_unix_ms)
+    }
+}
+
+pub(crate) fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The kept state: paused sandboxes' records, and the store their images live in.
+pub struct Saved {
+    store: cordon_image::Store,
+    dir: PathBuf,
+    paused_ttl: Duration,
+    /// Most bytes the layers made from sandboxes (pauses, snapshots, forks) may take.
+    budget: Option<u64>,
+    records: Mutex<HashMap<String, Arc<Record>>>,
+    pub snapshots: crate::snapshots::Snapshots,
+}
+
+impl Saved {
+    /// Opens `<state>/paused` and the snapshot list, and deletes what a server killed half-way
+    /// through a pause or a fork left behind.
+    pub fn open(store: cordon_image::Store, state_dir: &std::path::Path, paused_ttl: Duration, budget: Option<u64>) -> Result<Saved, ServerError> {
+        let dir = state_dir.join("paused");
+        let io = |what: String| move |source| ServerError::Io { what, source };
+        fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
+        let mut records = HashMap::new();
+        for entry in fs::read_dir(&dir).map_err(io(format!("list {}", dir.display())))?.flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(id) = name.strip_suffix(".json") else {
+                // A record being written when the server died.
+                let _ = fs::remove_file(&path);
+                continue;
+            };
+            let parsed = fs::read(&path).ok().and_then(|b| serde_json::from_slice::<Record>(&b).ok());
+            match parsed {
+                Some(r) if r.id == id && crate::routes::valid_id(id) && store.get(&r.image).is_ok() => {
+                    records.insert(r.id.clone(), Arc::new(r));
+                }
+                _ => {
+                    tracing::warn!(path = %path.display(), "deleting a paused sandbox's record that cannot be resumed (unreadable, or its image is gone)");
+                    let _ = fs::remove_file(&path);
+                }
+            }
+        }
+        let snapshots = crate::snapshots::Snapshots::open(state_dir)?;
+        let saved = Saved { store, dir, paused_ttl, budget, records: Mutex::new(records), snapshots };
+        saved.sweep_orphans();
+        Ok(saved)
+    }
+
+    pub fn store(&self) -> &cordon_image::Store {
+        &self.store
+    }
+
+    pub fn paused_ttl(&self) -> Duration {
+        self.paused_ttl
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Record>>> {
+        self.records.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Images of this server's making that nothing names: no sandbox survives a restart, so
+    /// every sandbox's own image is one, and so is a paused image without its record.
+    fn sweep_orphans(&self) {
+        let Ok(images) = self.store.list() else { return };
+        let named: Vec<String> = self.lock().values().map(|r| r.image.clone()).chain(self.snapshots.images()).collect();
+        for img in images {
+            let ours = [PAUSED_PREFIX, OWN_PREFIX, SNAPSHOT_PREFIX].iter().any(|p| img.name.starts_with(p));
+            if ours && !named.contains(&img.name) {
+                tracing::info!(image = %img.name, "deleting an image no paused sandbox or snapshot names (left by a server that stopped half-way)");
+                self.drop_image_now(&img.name);
+            }
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Record>> {
+        self.lock().get(id).cloned()
+    }
+
+    pub fn all(&self) -> Vec<Arc<Record>> {
+        self.lock().values().cloned().collect()
+    }
+
+    /// Takes a record out of the list (not off the disk) while its sandbox resumes.
+    pub fn take(&self, id: &str) -> Option<Arc<Record>> {
+        self.lock().remove(id)
+    }
+
+    /// Puts back a record whose resume failed.
+    pub fn put_back(&self, r: Arc<Record>) {
+        self.lock().insert(r.id.clone(), r);
+    }
+
+    /// Deletes a resumed sandbox's record (its image is now the sandbox's own).
+    pub fn forget(&self, id: &str) {
+        let _ = fs::remove_file(self.dir.join(format!("{id}.json")));
+    }
+
+    /// Deletes a paused sandbox: its record, its image and the layers only it named.
+    pub async fn delete(&self, id: &str) -> bool {
+        let Some(r) = self.take(id) else { return false };
+        self.forget(id);
+        self.drop_image(&r.image).await;
+        tracing::info!(sandbox = %id, "paused sandbox deleted");
+        true
+    }
+
+    /// Deletes paused sandboxes older than the TTL.
+    pub fn expire(&self, now: SystemTime) {
+        let old: Vec<String> = self.lock().values().filter(|r| r.paused_at() + self.paused_ttl <= now).map(|r| r.id.clone()).collect();
+        for id in old {
+            if let Some(r) = self.take(&id) {
+                self.forget(&id);
+                tracing::info!(sandbox = %id, "paused sandbox deleted: paused for longer than --paused-ttl");
+                self.drop_image_now(&r.image);
+            }
+        }
+    }
+
+    /// Deletes image `name` and the layers only it named, on a blocking thread.
+    pub async fn drop_image(&self, name: &str) {
+        let (store, name) = (self.store.clone(), name.to_string());
+        let _ = tokio::task::spawn_blocking(move || drop_image(&store, &name)).await;
+    }
+
+    fn drop_image_now(&self, name: &str) {
+        drop_image(&self.store, name)
+    }
+
+    /// Bytes the layers made from sandboxes take now: the top layer of every image made here.
+    fn used(&self) -> u64 {
+        let Ok(images) = self.store.list() else { return 0 };
+        let mut tops: Vec<String> = images
+            .iter()
+            .filter(|i| [PAUSED_PREFIX, OWN_PREFIX, SNAPSHOT_PREFIX].iter().any(|p| i.name.starts_with(p)))
+            .filter_map(|i| i.meta.layers.last().cloned())
+            .collect();
+        tops.sort();
+        tops.dedup();
+        tops.iter().filter_map(|l| self.store.layer_size(l)).sum()
+    }
+
+    /// Refuses a pause, snapshot or fork that would take the kept state past `--state-budget`.
+    pub fn check_budget(&self, more: u64) -> Result<(), ApiError> {
+        let Some(budget) = self.budget else { return Ok(()) };
+        let used = self.used();
+        if used + more > budget {
+            return Err(ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                format!(
+                    "the server's state budget is spent: {} MiB of {} MiB are used by paused sandboxes and snapshots and this needs about {} MiB more; kill paused sandboxes or delete snapshots, or start the server with a larger --state-budget",
+                    used >> 20,
+                    budget >> 20,
+                    more.div_ceil(1 << 20)
+                ),
+            )
+            .no_retry());
+        }
+        Ok(())
+    }
+
+    /// The image metadata of a frozen sandbox's files: its image's layers and one of its own
+    /// (made now; no image names it yet).
+    pub async fn capture(&self, e: &Arc<LiveSandbox>, source: String) -> Result<cordon_image::ImageMeta, ApiError> {
+        let (store, e) = (self.store.clone(), e.clone());
+        tokio::task::spawn_blocking(move || capture_meta(&store, &e, source)).await.map_err(|e| ApiError::internal(e.to_string()))?
+    }
+
+    /// Names `meta` as image `name` (over layers already in the store).
+    pub async fn commit(&self, name: &str, meta: cordon_image::ImageMeta) -> Result<(), ApiError> {
+        let (store, name) = (self.store.clone(), name.to_string());
+        tokio::task::spawn_blocking(move || {
+            store.commit(&name, meta, &mut cordon_image::NoProgress).map(drop).map_err(|err| ApiError::internal(format!("cannot name image {name}: {err}")))
+        })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+    }
+
+    /// An image of its own for a new sandbox, over the layers of `image`.
+    pub async fn own_copy(&self, image: &str, name: &str) -> Result<(), ApiError> {
+        let (store, image) = (self.store.clone(), image.to_string());
+        let meta = tokio::task::spawn_blocking(move || -> Result<cordon_image::ImageMeta, ApiError> {
+            let base = store.get(&image).map_err(|err| ApiError::not_found(err.to_string()))?;
+            let mut meta = base.meta.clone();
+            if meta.layers.is_empty() {
+                meta.layers = store.layer_ids(&base, &mut cordon_image::NoProgress).map_err(|err| ApiError::internal(err.to_string()))?;
+            }
+            meta.recipe = None;
+            Ok(meta)
+        })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+        self.commit(name, meta).await
+    }
+
+    /// Pauses a frozen sandbox to its files: its image, then its record. Returns the record.
+    pub async fn pause_to_disk(&self, e: &Arc<LiveSandbox>) -> Result<Arc<Record>, ApiError> {
+        let now = SystemTime::now();
+        let image = format!("{PAUSED_PREFIX}{}-{}", e.id, unix_ms(now));
+        let record = Record {
+            id: e.id.clone(),
+            tier: e.tier,
+            template: e.template.clone(),
+            image: image.clone(),
+            token: e.token.clone(),
+            traffic_token: e.traffic_token.clone(),
+            public_traffic: e.traffic.public,
+            mask_host: e.traffic.mask_host.clone(),
+            network: e.network(),
+            metadata: e.metadata.clone(),
+            env_vars: e.env_vars.clone(),
+            cpu_count: e.cpu_count,
+            memory_mb: e.memory_mb,
+            disk_mb: e.disk_mb,
+            lifecycle: e.lifecycle,
+            envd_version: e.envd_version.clone(),
+            started_unix_ms: unix_ms(e.started_at),
+            paused_unix_ms: unix_ms(now),
+        };
+        let meta = self.capture(e, format!("pause of sandbox {}", e.id)).await?;
+        self.commit(&image, meta).await?;
+        let path = self.dir.join(format!("{}.json", e.id));
+        let tmp = self.dir.join(format!(".{}.tmp", e.id));
+        let write = || -> std::io::Result<()> {
+            use std::io::Write;
+            let mut f = fs::File::create(&tmp)?;
+            f.write_all(&serde_json::to_vec_pretty(&record).expect("a record serializes"))?;
+            f.sync_all()?;
+            fs::rename(&tmp, &path)
+        };
+        if let Err(err) = write() {
+            let _ = fs::remove_file(&tmp);
+            self.drop_image(&image).await;
+            return Err(ApiError::internal(format!("cannot write the paused sandbox's record {}: {err}", path.display())));
+        }
+        let record = Arc::new(record);
+        self.lock().insert(record.id.clone(), record.clone());
+        Ok(record)
+    }
+}
+
+/// The image metadata of a frozen sandbox's files. Blocking.
+fn capture_meta(store: &cordon_image::Store, e: &LiveSandbox, source: String) -> Result<cordon_image::ImageMeta, ApiError> {
+    let fail = |what: &str, err: &dyn std::fmt::Display| ApiError::internal(format!("cannot keep the sandbox's files: {what}: {err}"));
+    let layer = e.with_instance(None, |i| i.writable_layer()).ok_or_else(|| ApiError::internal("the sandbox's files are not readable from the host"))?;
+    // Held from the layer's making to the image naming it, so no prune takes it meanwhile.
+    let _hold = store.hold_layers().map_err(|err| fail("hold the layer store", &err))?;
+    let base = store.get(&e.image).map_err(|err| fail("read its image", &err))?;
+    let mut layers = store.layer_ids(&base, &mut cordon_image::NoProgress).map_err(|err| fail("its image's layers", &err))?;
+    layers.extend(store.layer_from_upper(&layer.upper, layer.uid_base).map_err(|err| fail("make a layer of them", &err))?);
+    let mut meta = base.meta.clone();
+    meta.layers = layers;
+    meta.source = source;
+    meta.recipe = None;
+    meta.created_unix = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    Ok(meta)
+}
+
+/// Deletes image `name` and the layers only it named.
+fn drop_image(store: &cordon_image::Store, name: &str) {
+    let layers = store.get(name).map(|i| i.meta.layers).unwrap_or_default();
+    match store.remove(name) {
+        Ok(()) => {}
+        Err(cordon_image::ImageError::NotFound { .. }) => return,
+        Err(e) => {
+            tracing::warn!(image = %name, error = %e, "cannot delete a sandbox's image");
+            return;
+        }
+    }
+    if let Err(e) = store.remove_unnamed(&layers) {
+        tracing::warn!(image = %name, error = %e, "cannot delete a sandbox image's layers");
+    }
+}
