@@ -377,6 +377,8 @@ fn doctor_reports_every_feature() {
     if is_root() {
         assert!(out.status.success(), "doctor found something missing on a CI machine:\n{text}");
         assert!(text.contains("tier ns      available"), "{text}");
+        // Which pause applies here: this kind of host freezes sandboxes in place.
+        assert!(text.contains("pause") && text.contains("frozen in place"), "doctor does not say how sandboxes pause:\n{text}");
         if Tier::Gvisor.unavailable().is_none() {
             assert!(text.contains("tier gvisor  available"), "{text}");
             assert!(text.contains("platform "), "doctor names no gvisor platform:\n{text}");

@@ -21,7 +21,8 @@ pub fn diagnose(host: &Host) -> Diagnosis {
         Some(_) => crate::backend::open(host).map(|_| None).map_err(|e| e.to_string()),
         None => Err("see runsc above".into()),
     };
-    Diagnosis { findings: vec![finding], verdict }
+    let pause = cordon_sandbox::diagnosis::pause(&cordon_host::Layout::detect(), crate::backend::CAPABILITIES.keep_writable);
+    Diagnosis { findings: vec![finding, pause], verdict }
 }
 
 /// Finds runsc and the first platform that runs a sandbox, recording the choice.

@@ -64,6 +64,14 @@ impl Layout {
         Layout { unified, v2_controllers, v1 }
     }
 
+    /// How a sandbox's group is frozen on this host (a pause with memory), if it can be.
+    pub fn freezer(&self) -> Option<String> {
+        if let Some(u) = &self.unified {
+            return Some(format!("cgroup.freeze of the unified hierarchy at {}", u.display()));
+        }
+        self.v1.iter().find(|(c, _)| c == "freezer").map(|(_, p)| format!("the v1 freezer at {}", p.display()))
+    }
+
     /// Which of memory, pids and cpu nobody provides.
     pub fn missing(&self) -> Vec<&'static str> {
         ["memory", "pids", "cpu"]

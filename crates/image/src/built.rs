@@ -48,6 +48,16 @@ impl Store {
         Ok(vec![self.tree_layer(img, progress)?])
     }
 
+    /// The layers one-tree images were adopted as (`layers/trees/*.json`).
+    pub(crate) fn adopted_layers(&self) -> Vec<Digest> {
+        let Ok(rd) = fs::read_dir(self.layers.root().join("trees")) else { return Vec::new() };
+        rd.flatten()
+            .filter_map(|e| fs::read(e.path()).ok())
+            .filter_map(|b| serde_json::from_slice::<Adopted>(&b).ok())
+            .filter_map(|a| Digest::parse(&a.diff_id).ok())
+            .collect()
+    }
+
     /// The size of layer `diff_id` unpacked, if the store has it.
     pub fn layer_size(&self, diff_id: &str) -> Option<u64> {
         let d = Digest::parse(diff_id).ok()?;

@@ -409,7 +409,10 @@ impl Store {
     pub fn remove_unnamed(&self, layers: &[String]) -> Result<Pruned, ImageError> {
         let _lock = self.layers.lock(true)?;
         let candidates: std::collections::HashSet<Digest> = layers.iter().filter_map(|l| Digest::parse(l).ok()).collect();
-        let named = self.named_layers()?;
+        let mut named = self.named_layers()?;
+        // A one-tree image adopted as a layer (see `Store::layer_ids`) is named by its memo,
+        // not by an image.json: a build or a capture may be about to name it.
+        named.extend(self.adopted_layers());
         let keep = self.layers.all().into_iter().filter(|d| !candidates.contains(d) || named.contains(d)).collect();
         let (layers, bytes) = self.layers.remove_except(&keep)?;
         Ok(Pruned { layers, bytes })

@@ -15,6 +15,7 @@ pub fn diagnose(host: &Host) -> Diagnosis {
     out.extend(filesystems());
     out.push(seccomp());
     out.push(landlock());
+    out.push(cordon_sandbox::diagnosis::pause(&cordon_host::Layout::detect(), crate::backend::CAPABILITIES.keep_writable));
     Diagnosis::from_checks(out, || crate::backend::open(host).map(|_| None).map_err(|e| e.to_string()))
 }
 

@@ -37,6 +37,21 @@ impl Finding {
     }
 }
 
+/// How a tier's sandboxes pause here (what `pauseMode` the API can give), for the tiers whose
+/// sandboxes are host processes in host cgroups: frozen in place where the host can freeze a
+/// group, and to files where the tier keeps its writable layer on the host.
+pub fn pause(layout: &cordon_host::Layout, keeps_files: bool) -> Finding {
+    let files = if keeps_files { "to files: the writable layer becomes a layer (pauseMode filesystem)" } else { "to files: not on this tier yet" };
+    match layout.freezer() {
+        Some(how) => Finding::ok("pause", format!("with memory: frozen in place, resident and counted against the cap, through {how} (pauseMode full); {files}; no CRIU checkpoint to disk")),
+        None => Finding::warn(
+            "pause",
+            format!("with memory: not here (no unified cgroup hierarchy and no v1 freezer); {files}"),
+            "mount the v1 freezer (mount -t cgroup -o freezer freezer /sys/fs/cgroup/freezer) or run on a cgroup v2 host",
+        ),
+    }
+}
+
 /// A tier's answer: its checks, and whether it can run here.
 #[derive(Debug, Clone)]
 pub struct Diagnosis {

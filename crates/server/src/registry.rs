@@ -442,6 +442,25 @@ impl Sandboxes {
 
     /// Destroys everything (shutdown).
     pub async fn destroy_all(&self) {
+        // A sandbox paused with its memory would die with the server: where its files can be
+        // kept, it stays paused (to its files) across the restart instead.
+        if let Some(saved) = &self.saved {
+            let frozen: Vec<Arc<LiveSandbox>> = self.read().values().filter(|e| e.frozen_at().is_some()).cloned().collect();
+            for e in frozen {
+                if !e.with_instance(false, |i| i.writable_layer().is_some()) {
+                    continue;
+                }
+                match saved.pause_to_disk(&e).await {
+                    Ok(_) => {
+                        if let Some(gone) = self.take(&e.id) {
+                            self.destroy(&gone).await;
+                        }
+                        tracing::info!(sandbox = %e.id, "paused sandbox kept to its files across the shutdown");
+                    }
+                    Err(err) => tracing::warn!(sandbox = %e.id, "cannot keep a paused sandbox across the shutdown: {}", err.message),
+                }
+            }
+        }
         let ids: Vec<String> = self.read().keys().cloned().collect();
         let n = ids.len();
         let tasks: Vec<_> = ids.into_iter().map(|id| async move { self.remove(&id, "server shutdown").await }).collect();

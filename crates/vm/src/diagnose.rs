@@ -9,7 +9,10 @@ use crate::VmTier;
 
 /// The tier's checks, and whether it opens; the verdict's summary says how guests will run.
 pub fn diagnose(host: &Host) -> Diagnosis {
-    let mut findings = vec![mkfs()];
+    let mut findings = vec![
+        mkfs(),
+        Finding::warn("pause", "not on this tier yet: pause, snapshots and forks answer 501", "use the ns or gvisor tier for sandboxes that pause"),
+    ];
     let tier = match VmTier::open(&host.state_dir, host.exe.clone()) {
         Ok(t) => t,
         Err(e) => {
