@@ -11,7 +11,7 @@ use crate::Gvisor;
 
 /// What gvisor sandboxes support: egress, but no host syscall audit (gVisor's own kernel
 /// answers every call, so the host's filter has nothing to record).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: false };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: true };
 
 /// The tier table's row for gvisor.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Gvisor, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };

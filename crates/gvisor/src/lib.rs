@@ -299,6 +299,15 @@ impl HostSandbox for Sandbox {
         self.cgroup.kill();
     }
 
+    /// The overlay's upper directory, through runsc's mount namespace (where the writable
+    /// layer's tmpfs is mounted). runsc runs as root without a user namespace, so its files'
+    /// owners are the sandbox's own uids.
+    fn writable_layer(&self) -> Option<cordon_sandbox::WritableLayer> {
+        let pid = self.host_pid()?;
+        let upper = PathBuf::from(format!("/proc/{pid}/root{}", self.entry.dir().join("disk/upper").display()));
+        upper.is_dir().then_some(cordon_sandbox::WritableLayer { upper, uid_base: 0 })
+    }
+
     /// Bytes used and total of the writable layer, through runsc's mount namespace.
     fn disk_usage(&self) -> Option<(u64, u64)> {
         let pid = self.host_pid()?;
