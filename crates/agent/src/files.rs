@@ -369,18 +369,19 @@ fn metadata_headers(h: &HeaderMap) -> FilesResult<Vec<(String, String)>> {
 pub(crate) async fn upload(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
     let (parts, body) = req.into_parts();
     let body: SharedBody = Arc::new(std::sync::Mutex::new(Some(body)));
-    match upload_inner(&agent, Request::from_parts(parts, body.clone())).await {
+    let result = upload_inner(&agent, Request::from_parts(parts, body.clone())).await;
+    // Read what the client is still sending before answering: answering first and closing
+    // made the client's write fail. A refused upload (a path the user may not write, say)
+    // reached the caller as a broken connection instead of its error, and so did a good
+    // multipart one whose closing boundary was followed by bytes the parser never asked for
+    // (the JavaScript SDK's bodies end with a CRLF there), whenever the answer overtook them.
+    let rest = body.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(mut rest) = rest {
+        while let Some(Ok(_)) = http_body_util::BodyExt::frame(&mut rest).await {}
+    }
+    match result {
         Ok(infos) => json(StatusCode::OK, &infos),
-        Err(e) => {
-            // Read what the client is still sending before answering: answering first and
-            // closing made the client's write fail, so a refused upload (a path the user may
-            // not write, say) reached the caller as a broken connection instead of this error.
-            let rest = body.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(mut rest) = rest {
-                while let Some(Ok(_)) = http_body_util::BodyExt::frame(&mut rest).await {}
-            }
-            e.into_response()
-        }
+        Err(e) => e.into_response(),
     }
 }
 
