@@ -27,27 +27,7 @@ pub async fn fork(sandboxes: &Arc<Sandboxes>, id: &str, count: u32, timeout: Dur
     }
     let saved = sandboxes.saved.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "this server keeps no state: it cannot fork sandboxes").no_retry())?;
     let paused = || ApiError::new(StatusCode::CONFLICT, format!("sandbox '{id}' is paused and cannot be forked; resume it first")).no_retry();
-    if saved.get(id).is_some() {
-        return Err(paused());
-    }
-    let e = sandboxes.get(id).ok_or_else(|| ApiError::not_found(format!("sandbox {id} not found")))?;
-    let meta = {
-        let _turn = e.transition.lock().await;
-        if !sandboxes.get(id).is_some_and(|now| Arc::ptr_eq(&now, &e)) {
-            return Err(ApiError::not_found(format!("sandbox {id} not found")));
-        }
-        if e.frozen_at().is_some() {
-            return Err(paused());
-        }
-        if !e.with_instance(false, |i| i.writable_layer().is_some()) {
-            return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("the {} tier cannot keep a sandbox's files yet, so it cannot be forked", e.tier)).no_retry());
-        }
-        saved.check_budget(e.disk_usage().map_or(0, |(used, _)| used))?;
-        crate::pause::freeze(&e, true).await?;
-        let meta = saved.capture(&e, format!("fork of sandbox {id}")).await;
-        crate::pause::freeze(&e, false).await?;
-        meta?
-    };
+    let (e, meta) = saved.capture_running(sandboxes, id, "fork", paused).await?;
     let req = NewSandbox {
         tier: e.tier,
         template: e.template.clone(),

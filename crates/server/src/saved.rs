@@ -253,6 +253,32 @@ impl Saved {
         tokio::task::spawn_blocking(move || capture_meta(&store, &e, source)).await.map_err(|e| ApiError::internal(e.to_string()))?
     }
 
+    /// The files of running sandbox `id`, for a snapshot or a fork (`what`): frozen for as long
+    /// as the capture takes, then thawed, whatever the capture did. A sandbox that is unknown,
+    /// paused (`paused`), on a tier that keeps no files, or past the budget is refused.
+    pub async fn capture_running(&self, sandboxes: &crate::registry::Sandboxes, id: &str, what: &str, paused: impl Fn() -> ApiError) -> Result<(Arc<LiveSandbox>, cordon_image::ImageMeta), ApiError> {
+        if self.get(id).is_some() {
+            return Err(paused());
+        }
+        let not_found = || ApiError::not_found(format!("sandbox {id} not found"));
+        let e = sandboxes.get(id).ok_or_else(not_found)?;
+        let _turn = e.transition.lock().await;
+        if !sandboxes.get(id).is_some_and(|now| Arc::ptr_eq(&now, &e)) {
+            return Err(if self.get(id).is_some() { paused() } else { not_found() });
+        }
+        if e.frozen_at().is_some() {
+            return Err(paused());
+        }
+        if !e.with_instance(false, |i| i.writable_layer().is_some()) {
+            return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("the {} tier cannot keep a sandbox's files yet: no {what} of it", e.tier)).no_retry());
+        }
+        self.check_budget(e.disk_usage().map_or(0, |(used, _)| used))?;
+        crate::pause::freeze(&e, true).await?;
+        let meta = self.capture(&e, format!("{what} of sandbox {id}")).await;
+        crate::pause::freeze(&e, false).await?;
+        Ok((e.clone(), meta?))
+    }
+
     /// Names `meta` as image `name` (over layers already in the store).
     pub async fn commit(&self, name: &str, meta: cordon_image::ImageMeta) -> Result<(), ApiError> {
         let (store, name) = (self.store.clone(), name.to_string());

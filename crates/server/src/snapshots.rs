@@ -123,26 +123,8 @@ pub async fn create(sandboxes: &Arc<Sandboxes>, id: &str, name: Option<&str>, me
             "snapshots keep a sandbox's files, not its memory, on this server's tiers: send memory=false or leave it out",
         ));
     }
-    if saved.get(id).is_some() {
-        return Err(ApiError::new(StatusCode::CONFLICT, format!("sandbox '{id}' cannot be snapshotted while in 'paused' state")).no_retry());
-    }
-    let e = sandboxes.get(id).ok_or_else(|| ApiError::not_found(format!("sandbox {id} not found")))?;
-    let _turn = e.transition.lock().await;
-    if !sandboxes.get(id).is_some_and(|now| Arc::ptr_eq(&now, &e)) {
-        return Err(ApiError::not_found(format!("sandbox {id} not found")));
-    }
-    if e.frozen_at().is_some() {
-        return Err(ApiError::new(StatusCode::CONFLICT, format!("sandbox '{id}' cannot be snapshotted while in 'paused' state")).no_retry());
-    }
-    if !e.with_instance(false, |i| i.writable_layer().is_some()) {
-        return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("the {} tier cannot keep a sandbox's files yet, so it cannot be snapshotted", e.tier)).no_retry());
-    }
-    saved.check_budget(e.disk_usage().map_or(0, |(used, _)| used))?;
-    crate::pause::freeze(&e, true).await?;
-    let meta = saved.capture(&e, format!("snapshot of sandbox {id}")).await;
-    // The source goes on whatever the capture did.
-    crate::pause::freeze(&e, false).await?;
-    let meta = meta?;
+    let paused = || ApiError::new(StatusCode::CONFLICT, format!("sandbox '{id}' cannot be snapshotted while in 'paused' state")).no_retry();
+    let (_, meta) = saved.capture_running(sandboxes, id, "snapshot", paused).await?;
     let now = SystemTime::now();
     let existing = named.as_ref().and_then(|(n, _)| saved.snapshots.lock().iter().find(|s| s.name.as_deref() == Some(n.as_str())).map(|s| s.template_id.clone()));
     let template_id = existing.unwrap_or_else(|| {
