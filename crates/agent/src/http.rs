@@ -15,7 +15,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::UnixListener;
 
 use crate::body::{json, Body};
-use crate::{files, filesystem, forward, process_rpc, rpc, Agent};
+use crate::{files, filesystem, forward, park, process_rpc, rpc, Agent, LinkEnd};
 
 fn method_not_allowed(allow: &'static str) -> Response<Body> {
     let e = ConnectError::new(Code::Unimplemented, format!("method not allowed; use {allow}"));
@@ -41,17 +41,35 @@ pub(crate) async fn run(listener: UnixListener, agent: Arc<Agent>) -> std::io::R
     }
 }
 
-/// Serves every stream the host opens over `link` until the host closes it.
-pub(crate) async fn run_link<L>(link: L, agent: Arc<Agent>) -> std::io::Result<()>
+/// Serves every stream the host opens over `link` until the host closes it or parks it (see
+/// [`crate::park`]): then the multiplexer is closed from this side, so that its last frame is
+/// whole and the host can read what follows on the bare link.
+pub(crate) async fn run_link<L>(link: L, agent: Arc<Agent>) -> std::io::Result<LinkEnd>
 where
     L: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut acceptor = cordon_channel::Acceptor::new(link);
-    while let Some(stream) = acceptor.accept().await {
+    let park = Arc::new(tokio::sync::Notify::new());
+    loop {
+        let stream = tokio::select! {
+            s = acceptor.accept() => s,
+            () = park.notified() => {
+                acceptor.close().await?;
+                return Ok(LinkEnd::Parked);
+            }
+        };
+        let Some(stream) = stream else { return Ok(LinkEnd::Closed) };
+        let stream = stream?;
+        let (agent, park) = (agent.clone(), park.clone());
         // The handler runs on its own task so that `accept` keeps driving the link.
-        tokio::spawn(serve_connection(stream?, agent.clone()));
+        tokio::spawn(async move {
+            match park::opening(stream).await {
+                Some(park::Opening::Http(s)) => serve_connection(s, agent).await,
+                Some(park::Opening::Park) => park.notify_one(),
+                None => {}
+            }
+        });
     }
-    Ok(())
 }
 
 /// One HTTP/1.1 connection from the host, upgrades included.

@@ -27,6 +27,7 @@ mod files;
 mod filesystem;
 mod forward;
 mod http;
+mod park;
 mod process;
 mod process_rpc;
 mod pty;
@@ -169,7 +170,44 @@ where
     L: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let agent = start_agent(config)?;
-    http::run_link(link, agent).await
+    http::run_link(link, agent).await.map(drop)
+}
+
+/// How one session of a link ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkEnd {
+    /// The host closed it (or it broke): the sandbox is going away.
+    Closed,
+    /// The host asked the agent to let go of the link (see [`PARK_REQUEST`]): the agent closed
+    /// its multiplexer cleanly, at a frame boundary, and waits for the host to come back; its
+    /// processes, their output and its watchers are kept.
+    Parked,
+}
+
+/// The first bytes of a stream by which the host asks the agent to park its link, before the
+/// VM is saved (a pause, a fork). It starts with a NUL, which no HTTP request does, so a
+/// client of the sandbox, whose bytes reach the agent only as HTTP the host's proxy wrote,
+/// cannot send it.
+pub const PARK_REQUEST: &[u8; 16] = b"\0cordon-park-v1\n";
+
+/// An agent that outlives its link: the guest's PID 1 serves one session per host connection
+/// (a VM that is saved and restored gets a new one), with one process table throughout.
+pub struct LinkAgent {
+    agent: Arc<Agent>,
+}
+
+impl LinkAgent {
+    pub fn start(config: AgentConfig) -> std::io::Result<LinkAgent> {
+        Ok(LinkAgent { agent: start_agent(config)? })
+    }
+
+    /// Serves one session of the link, until the host closes it or parks it.
+    pub async fn serve<L>(&self, link: L) -> std::io::Result<LinkEnd>
+    where
+        L: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        http::run_link(link, self.agent.clone()).await
+    }
 }
 
 /// The one byte stream to the host, as `CORDON_AGENT_LINK` names it.

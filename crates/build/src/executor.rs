@@ -209,6 +209,7 @@ impl Executor {
             audit: false,
             // The step keeps its writable layer where the builder says (create_build).
             keep_writable: false,
+            restore: None,
         };
         let created = {
             let _enter = self.rt.enter();

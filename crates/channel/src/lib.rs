@@ -156,6 +156,12 @@ where
         Acceptor { conn: yamux::Connection::new(link.compat(), config(), yamux::Mode::Server) }
     }
 
+    /// Closes the link from this side: every stream ends, and the last bytes this side sends
+    /// are a whole frame (yamux's GoAway), after which the link may carry other things.
+    pub async fn close(&mut self) -> io::Result<()> {
+        poll_fn(|cx| self.conn.poll_close(cx)).await.map_err(io_error)
+    }
+
     /// The next stream the host opened; `None` once the host closed the link.
     pub async fn accept(&mut self) -> Option<io::Result<Stream>> {
         poll_fn(|cx| self.conn.poll_next_inbound(cx))

@@ -135,6 +135,7 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         // Always recorded; `--audit` decides whether it is printed.
         audit: true,
         keep_writable: false,
+        restore: None,
     };
     spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
     Ok(spec)

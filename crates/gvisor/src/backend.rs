@@ -11,7 +11,7 @@ use crate::Gvisor;
 
 /// What gvisor sandboxes support: egress, but no host syscall audit (gVisor's own kernel
 /// answers every call, so the host's filter has nothing to record).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: true };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: false };
 
 /// The tier table's row for gvisor.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Gvisor, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -38,6 +38,7 @@ impl Backend for GvisorBackend {
 
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
         CAPABILITIES.check_network(Tier::Gvisor, &spec.network)?;
+        CAPABILITIES.check_restore(Tier::Gvisor, spec)?;
         // Pinned before it is looked up, so it cannot be removed between the two.
         let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
         let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;

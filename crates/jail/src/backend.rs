@@ -10,7 +10,7 @@ use cordon_spec::{NetworkPolicy, Tier};
 use crate::Jail;
 
 /// What ns sandboxes support: all of it.
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: true, host_oom_count: true, freeze: true, keep_writable: true };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: true, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: false };
 
 /// The tier table's row for ns.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Ns, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -78,6 +78,7 @@ impl JailBackend {
 
     fn create_from(&self, spec: &SandboxSpec, image: &cordon_image::Image, pin: cordon_image::Pin, writable: Option<std::path::PathBuf>) -> Result<(Box<dyn cordon_sandbox::Sandbox>, u32), Error> {
         spec.validate()?;
+        CAPABILITIES.check_restore(Tier::Ns, spec)?;
         let mut agent_cfg = cordon_sandbox::agent::config(spec, image, self.envd_version.as_deref());
         // With ptrace off, no command may open another's memory through /proc either.
         agent_cfg.isolate_commands = !spec.allow_ptrace;

@@ -24,6 +24,10 @@ pub struct Capabilities {
     /// runs ([`Sandbox::writable_layer`]): its files can become a layer (a snapshot, a fork, a
     /// filesystem-only pause).
     pub keep_writable: bool,
+    /// A running sandbox can be saved to disk with its processes and memory
+    /// ([`Sandbox::checkpoint`]) and started again from there (`SandboxSpec::restore`): a pause
+    /// that frees its memory, a fork that copies its processes.
+    pub checkpoint: bool,
 }
 
 impl Capabilities {
@@ -33,6 +37,15 @@ impl Capabilities {
             return Err(Error::BadRequest(format!(
                 "network allowlists are enforced on the ns and gvisor tiers only so far; the {tier} tier runs with no network: drop the network rules or use another tier"
             )));
+        }
+        Ok(())
+    }
+
+    /// Refuses to start from a saved sandbox on a tier that cannot save one, rather than start
+    /// a fresh sandbox that looks like the saved one.
+    pub fn check_restore(&self, tier: Tier, spec: &SandboxSpec) -> Result<(), Error> {
+        if spec.restore.is_some() && !self.checkpoint {
+            return Err(Error::Unavailable(format!("the {tier} tier cannot start a sandbox from a saved one's memory")));
         }
         Ok(())
     }

@@ -93,6 +93,14 @@ pub trait Sandbox: Send {
     fn writable_layer(&self) -> Option<WritableLayer> {
         None
     }
+    /// Saves the running sandbox, processes and memory, into `dir` (which it creates), for a
+    /// create with `SandboxSpec::restore`. With `keep_running` it goes on afterwards (a fork's
+    /// source); without, it is left stopped, to be destroyed (a pause). On an error nothing is
+    /// left in `dir` and the sandbox runs on. Blocking. Tiers without
+    /// [`crate::Capabilities::checkpoint`] refuse.
+    fn checkpoint(&mut self, _dir: &Path, _keep_running: bool) -> Result<(), Error> {
+        Err(Error::Unavailable("this tier cannot save a running sandbox to disk".into()))
+    }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), Error>;
 }

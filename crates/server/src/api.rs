@@ -303,6 +303,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             disk_mb,
             network,
             traffic,
+            restore: None,
             },
             who,
         )
@@ -380,7 +381,7 @@ pub fn saved_json(r: &crate::saved::Record, domain: Option<&str>) -> Value {
         "memoryMB": r.memory_mb,
         "diskSizeMB": r.disk_mb,
         "state": "paused",
-        "pauseMode": crate::pause::PauseMode::Filesystem.as_str(),
+        "pauseMode": r.mode().as_str(),
         "metadata": r.metadata,
         "domain": domain,
         "lifecycle": r.lifecycle.to_json(),

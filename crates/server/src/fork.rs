@@ -42,6 +42,7 @@ pub async fn fork(sandboxes: &Arc<Sandboxes>, id: &str, count: u32, timeout: Dur
         disk_mb: e.disk_mb,
         network: e.network(),
         traffic: e.traffic.clone(),
+        restore: None,
     };
     let one = |n: u32| {
         let (meta, mut req) = (meta.clone(), req.clone());

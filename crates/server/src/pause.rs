@@ -3,7 +3,11 @@
 //! - with its memory (`full`): every process frozen in place in its cgroup, on the tiers that
 //!   can ([`cordon_sandbox::Capabilities::freeze`]): no instruction runs, its memory stays
 //!   resident and counted against its cap, its deadline stops; a resume thaws it, and with
-//!   `autoResume` any request to it does;
+//!   `autoResume` any request to it does. On a tier that saves a running sandbox to disk
+//!   instead ([`cordon_sandbox::Capabilities::checkpoint`], the vm tier: QEMU writes the guest's
+//!   memory and devices to a file and exits), its processes and memory go to
+//!   `<state>/paused/<id>.mem` and all of its RAM is freed; a resume restores it (same
+//!   processes, same `boot_id`), also after a restart of the server;
 //! - to its files (`filesystem`): its writable layer becomes a layer of the store, every
 //!   process ends and all its memory is freed ([`crate::saved`]); a resume (a `connect`) starts
 //!   a fresh sandbox on those files with the same id and tokens.
@@ -116,6 +120,25 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
         return Err(already_paused(id));
     }
     let caps = sandboxes.capabilities(e.tier);
+    if memory && !caps.freeze && caps.checkpoint {
+        let saved = sandboxes.saved.as_ref().ok_or_else(|| unsupported("this server keeps no state: it cannot save a sandbox's memory to disk".into()))?;
+        saved.check_budget(e.memory_current().unwrap_or(0) + e.disk_usage().map_or(0, |(used, _)| used))?;
+        // The data plane answers as for a paused sandbox from now on (and an autoResume
+        // request waits for its turn, then resumes it from disk).
+        e.set_frozen(Some(SystemTime::now()));
+        let record = match saved.pause_with_memory(&e).await {
+            Ok(r) => r,
+            Err(err) => {
+                e.set_frozen(None);
+                return Err(err);
+            }
+        };
+        if let Some(gone) = sandboxes.take(id) {
+            sandboxes.destroy(&gone).await;
+        }
+        tracing::info!(sandbox = %id, auto, mode = "full", saved = ?record.memory, "sandbox paused to disk with its memory");
+        return Ok(());
+    }
     if memory {
         if !caps.freeze {
             return Err(unsupported(format!(
@@ -175,12 +198,13 @@ pub async fn resume(sandboxes: &Arc<Sandboxes>, id: &str, timeout: Duration) -> 
     let saved = sandboxes.saved.as_ref().ok_or_else(|| not_found(id))?;
     // Taken out of the list while it starts, so that two resumes do not start it twice.
     let record = saved.take(id).ok_or_else(|| not_found(id))?;
-    let req = record.new_sandbox(timeout);
+    let mut req = record.new_sandbox(timeout);
+    req.restore = saved.memory_dir(&record);
     let who = Identity { id: record.id.clone(), token: record.token.clone(), traffic_token: record.traffic_token.clone() };
     match sandboxes.create_as(req, who).await {
         Ok(e) => {
-            saved.forget(id);
-            tracing::info!(sandbox = %id, mode = "filesystem", "sandbox resumed");
+            saved.forget_resumed(&record).await;
+            tracing::info!(sandbox = %id, mode = record.mode().as_str(), "sandbox resumed");
             Ok((e, true))
         }
         Err(err) => {

@@ -26,11 +26,46 @@ use crate::agent_link::{ask_forward, ProxyError, FORWARD_PREFIX};
 use crate::registry::LiveSandbox;
 use crate::{port_token, App, Body, ENVD_PORT};
 
+/// Wakes a sandbox paused to disk with its memory whose lifecycle lets traffic wake it, for a
+/// request that may wake it: `/health`, or one with its envd token or traffic token (or any,
+/// to a public port). The request is then checked in full against the running sandbox, as any
+/// other. `None`: there is no such sandbox to wake.
+async fn wake_saved<B>(app: &Arc<App>, id: &str, port: u16, req: &Request<B>) -> Option<Result<Arc<LiveSandbox>, Response<Body>>> {
+    let r = app.sandboxes.saved.as_ref()?.get(id)?;
+    if r.memory.is_none() || !r.lifecycle.auto_resume {
+        return None;
+    }
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let health = port == ENVD_PORT && req.uri().path() == "/health" && matches!(*req.method(), Method::GET | Method::HEAD);
+    let may_wake = health
+        || auth::ct_eq(header("x-access-token"), &r.token)
+        || (port != ENVD_PORT && (r.public_traffic || auth::ct_eq(header(crate::port_token::TRAFFIC_TOKEN_HEADER), &r.traffic_token)));
+    if !may_wake {
+        return None;
+    }
+    let timeout = std::time::Duration::from_secs(r.lifecycle.resume_timeout_secs);
+    match crate::pause::resume(&app.sandboxes, id, timeout).await {
+        Ok((e, _)) => {
+            tracing::info!(sandbox = %id, port, "sandbox woken from disk by a request");
+            Some(Ok(e))
+        }
+        Err(e) if e.status == StatusCode::NOT_FOUND => None,
+        Err(e) => Some(Err(e.into_response())),
+    }
+}
+
 /// Headers that describe one hop, not the request (RFC 9110 7.6.1).
 const HOP_BY_HOP: &[&str] = &["connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te", "trailer", "upgrade"];
 
 pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incoming>) -> Response<Body> {
-    let Some(mut entry) = app.sandboxes.get(id) else { return sandbox_not_found(id) };
+    let mut entry = match app.sandboxes.get(id) {
+        Some(e) => e,
+        None => match wake_saved(app, id, port, &req).await {
+            Some(Ok(e)) => e,
+            Some(Err(refused)) => return refused,
+            None => return sandbox_not_found(id),
+        },
+    };
     // A sandbox paused in place answers as a missing one (the SDKs' `is_running()` is false),
     // unless its lifecycle lets traffic wake it: then a request it would admit does.
     let paused = entry.frozen_at().is_some();

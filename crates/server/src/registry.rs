@@ -91,6 +91,16 @@ impl LiveSandbox {
         self.with_instance(false, |_| true)
     }
 
+    /// Takes the instance out for a long blocking operation (a checkpoint), so that nothing
+    /// waits on its lock meanwhile; readings answer `None` until [`LiveSandbox::put_instance`].
+    pub(crate) fn take_instance(&self) -> Option<Box<dyn Sandbox>> {
+        self.instance.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    pub(crate) fn put_instance(&self, i: Box<dyn Sandbox>) {
+        *self.instance.lock().unwrap_or_else(|p| p.into_inner()) = Some(i);
+    }
+
     /// `f` of the live instance, or `default` once it has been destroyed.
     pub(crate) fn with_instance<T>(&self, default: T, f: impl FnOnce(&dyn Sandbox) -> T) -> T {
         self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_deref().map_or(default, f)
@@ -151,6 +161,8 @@ pub struct NewSandbox {
     pub network: cordon_spec::NetworkPolicy,
     /// `allowPublicTraffic` and `maskRequestHost` (see [`crate::traffic`]).
     pub traffic: crate::traffic::Traffic,
+    /// Start from a sandbox saved with its memory (see `SandboxSpec::restore`).
+    pub restore: Option<PathBuf>,
 }
 
 /// Who a sandbox is: new ones get fresh ids and tokens, a resumed one keeps its own.
@@ -284,6 +296,7 @@ impl Sandboxes {
             // The audit trail is served by `GET /sandboxes/{id}/audit`; it costs an idle thread.
             audit: true,
             keep_writable,
+            restore: req.restore.clone(),
             ..Default::default()
         };
         let started = Instant::now();
@@ -481,8 +494,11 @@ fn spawn_metrics(entry: &Arc<LiveSandbox>) {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let Some(e) = weak.upgrade().filter(|e| e.is_live()) else { return };
-            e.metrics.record(crate::metrics::read(&e));
+            let Some(e) = weak.upgrade() else { return };
+            // Out for a checkpoint, or destroyed (then the last reference goes soon).
+            if e.is_live() {
+                e.metrics.record(crate::metrics::read(&e));
+            }
         }
     });
 }

@@ -55,6 +55,10 @@ pub struct Record {
     pub envd_version: String,
     pub started_unix_ms: u64,
     pub paused_unix_ms: u64,
+    /// Paused with its memory: the directory (in `<state>/paused`) its running state was saved
+    /// to, restored by a resume. `image` is then its template's, not its own.
+    #[serde(default)]
+    pub memory: Option<String>,
 }
 
 impl Record {
@@ -64,7 +68,7 @@ impl Record {
             tier: self.tier,
             template: self.template.clone(),
             image: self.image.clone(),
-            own_image: Some(self.image.clone()),
+            own_image: self.memory.is_none().then(|| self.image.clone()),
             lifecycle: self.lifecycle,
             timeout,
             metadata: self.metadata.clone(),
@@ -74,6 +78,7 @@ impl Record {
             disk_mb: self.disk_mb,
             network: self.network.clone(),
             traffic: crate::traffic::Traffic { public: self.public_traffic, mask_host: self.mask_host.clone() },
+            restore: None,
         }
     }
 
@@ -83,6 +88,15 @@ impl Record {
 
     pub fn paused_at(&self) -> SystemTime {
         UNIX_EPOCH + Duration::from_millis(self.paused_unix_ms)
+    }
+
+    /// How it was paused, as the API says it.
+    pub fn mode(&self) -> crate::pause::PauseMode {
+        if self.memory.is_some() {
+            crate::pause::PauseMode::Full
+        } else {
+            crate::pause::PauseMode::Filesystem
+        }
     }
 }
 
@@ -112,6 +126,9 @@ impl Saved {
         for entry in fs::read_dir(&dir).map_err(io(format!("list {}", dir.display())))?.flatten() {
             let path = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
+            if path.is_dir() {
+                continue; // a saved memory, kept if a record names it (below)
+            }
             let Some(id) = name.strip_suffix(".json") else {
                 // A record being written when the server died.
                 let _ = fs::remove_file(&path);
@@ -119,7 +136,12 @@ impl Saved {
             };
             let parsed = fs::read(&path).ok().and_then(|b| serde_json::from_slice::<Record>(&b).ok());
             match parsed {
-                Some(r) if r.id == id && crate::routes::valid_id(id) && store.get(&r.image).is_ok() => {
+                Some(r)
+                    if r.id == id
+                        && crate::routes::valid_id(id)
+                        && store.get(&r.image).is_ok()
+                        && r.memory.as_ref().is_none_or(|m| valid_memory_dir(m, id) && dir.join(m).is_dir()) =>
+                {
                     records.insert(r.id.clone(), Arc::new(r));
                 }
                 _ => {
@@ -129,6 +151,14 @@ impl Saved {
             }
         }
         let snapshots = crate::snapshots::Snapshots::open(state_dir)?;
+        // Memory saved by a pause whose record was never written (a server killed half-way).
+        for entry in fs::read_dir(&dir).map_err(io(format!("list {}", dir.display())))?.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if entry.path().is_dir() && !records.values().any(|r: &Arc<Record>| r.memory.as_deref() == Some(name.as_str())) {
+                tracing::info!(dir = %entry.path().display(), "deleting a saved memory no paused sandbox names (left by a server that stopped half-way)");
+                let _ = fs::remove_dir_all(entry.path());
+            }
+        }
         let saved = Saved { store, dir, paused_ttl, budget, records: Mutex::new(records), snapshots };
         saved.sweep_orphans();
         Ok(saved)
@@ -183,11 +213,36 @@ impl Saved {
         let _ = fs::remove_file(self.dir.join(format!("{id}.json")));
     }
 
-    /// Deletes a paused sandbox: its record, its image and the layers only it named.
+    /// Where a record's saved memory is.
+    pub fn memory_dir(&self, r: &Record) -> Option<PathBuf> {
+        r.memory.as_ref().map(|m| self.dir.join(m))
+    }
+
+    /// Deletes what a paused sandbox kept (its record is taken already): its saved memory, or
+    /// its image and the layers only it named.
+    async fn drop_kept(&self, r: &Record) {
+        match self.memory_dir(r) {
+            Some(dir) => {
+                let _ = tokio::task::spawn_blocking(move || fs::remove_dir_all(dir)).await;
+            }
+            None => self.drop_image(&r.image).await,
+        }
+    }
+
+    /// Deletes a resumed sandbox's record, and its saved memory (the sandbox runs on a copy).
+    pub async fn forget_resumed(&self, r: &Record) {
+        self.forget(&r.id);
+        if let Some(dir) = self.memory_dir(r) {
+            let _ = tokio::task::spawn_blocking(move || fs::remove_dir_all(dir)).await;
+        }
+    }
+
+    /// Deletes a paused sandbox: its record, and its saved memory or its image and the layers
+    /// only it named.
     pub async fn delete(&self, id: &str) -> bool {
         let Some(r) = self.take(id) else { return false };
         self.forget(id);
-        self.drop_image(&r.image).await;
+        self.drop_kept(&r).await;
         tracing::info!(sandbox = %id, "paused sandbox deleted");
         true
     }
@@ -199,7 +254,12 @@ impl Saved {
             if let Some(r) = self.take(&id) {
                 self.forget(&id);
                 tracing::info!(sandbox = %id, "paused sandbox deleted: paused for longer than --paused-ttl");
-                self.drop_image_now(&r.image);
+                match self.memory_dir(&r) {
+                    Some(dir) => {
+                        let _ = fs::remove_dir_all(dir);
+                    }
+                    None => self.drop_image_now(&r.image),
+                }
             }
         }
     }
@@ -224,7 +284,8 @@ impl Saved {
             .collect();
         tops.sort();
         tops.dedup();
-        tops.iter().filter_map(|l| self.store.layer_size(l)).sum()
+        let memory: u64 = self.lock().values().filter_map(|r| self.memory_dir(r)).map(|d| disk_bytes(&d)).sum();
+        tops.iter().filter_map(|l| self.store.layer_size(l)).sum::<u64>() + memory
     }
 
     /// Refuses a pause, snapshot or fork that would take the kept state past `--state-budget`.
@@ -306,49 +367,103 @@ impl Saved {
         self.commit(name, meta).await
     }
 
-    /// Pauses a frozen sandbox to its files: its image, then its record. Returns the record.
-    pub async fn pause_to_disk(&self, e: &Arc<LiveSandbox>) -> Result<Arc<Record>, ApiError> {
+    /// Pauses a running sandbox with its memory, on a tier that saves it to disk
+    /// ([`cordon_sandbox::Capabilities::checkpoint`]): its running state goes to
+    /// `<state>/paused/<id>.mem`, then its record is written. The sandbox is left stopped, to be
+    /// destroyed; on an error it runs on and nothing is kept.
+    pub async fn pause_with_memory(&self, e: &Arc<LiveSandbox>) -> Result<Arc<Record>, ApiError> {
         let now = SystemTime::now();
-        let image = format!("{PAUSED_PREFIX}{}-{}", e.id, unix_ms(now));
-        let record = Record {
-            id: e.id.clone(),
-            tier: e.tier,
-            template: e.template.clone(),
-            image: image.clone(),
-            token: e.token.clone(),
-            traffic_token: e.traffic_token.clone(),
-            public_traffic: e.traffic.public,
-            mask_host: e.traffic.mask_host.clone(),
-            network: e.network(),
-            metadata: e.metadata.clone(),
-            env_vars: e.env_vars.clone(),
-            cpu_count: e.cpu_count,
-            memory_mb: e.memory_mb,
-            disk_mb: e.disk_mb,
-            lifecycle: e.lifecycle,
-            envd_version: e.envd_version.clone(),
-            started_unix_ms: unix_ms(e.started_at),
-            paused_unix_ms: unix_ms(now),
-        };
-        let meta = self.capture(e, format!("pause of sandbox {}", e.id)).await?;
-        self.commit(&image, meta).await?;
-        let path = self.dir.join(format!("{}.json", e.id));
-        let tmp = self.dir.join(format!(".{}.tmp", e.id));
-        let write = || -> std::io::Result<()> {
-            use std::io::Write;
-            let mut f = fs::File::create(&tmp)?;
-            f.write_all(&serde_json::to_vec_pretty(&record).expect("a record serializes"))?;
-            f.sync_all()?;
-            fs::rename(&tmp, &path)
-        };
-        if let Err(err) = write() {
-            let _ = fs::remove_file(&tmp);
-            self.drop_image(&image).await;
-            return Err(ApiError::internal(format!("cannot write the paused sandbox's record {}: {err}", path.display())));
+        let name = format!("{}.mem", e.id);
+        let dir = self.dir.join(&name);
+        let _ = fs::remove_dir_all(&dir);
+        let mut instance = e.take_instance().ok_or_else(|| ApiError::not_found(format!("sandbox {} not found", e.id)))?;
+        let at = dir.clone();
+        let (instance, saved) = tokio::task::spawn_blocking(move || {
+            let r = instance.checkpoint(&at, false);
+            (instance, r)
+        })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+        e.put_instance(instance);
+        saved.map_err(|err| ApiError::internal(format!("cannot save the sandbox with its memory: {err}")))?;
+        let mut record = record_of(e, e.image.clone(), now);
+        record.memory = Some(name);
+        if let Err(err) = self.write_record(&record) {
+            let _ = fs::remove_dir_all(&dir);
+            return Err(err);
         }
         let record = Arc::new(record);
         self.lock().insert(record.id.clone(), record.clone());
         Ok(record)
+    }
+
+    /// Writes a record by one rename, so that it is whole or absent.
+    fn write_record(&self, record: &Record) -> Result<(), ApiError> {
+        let path = self.dir.join(format!("{}.json", record.id));
+        let tmp = self.dir.join(format!(".{}.tmp", record.id));
+        let write = || -> std::io::Result<()> {
+            use std::io::Write;
+            let mut f = fs::File::create(&tmp)?;
+            f.write_all(&serde_json::to_vec_pretty(record).expect("a record serializes"))?;
+            f.sync_all()?;
+            fs::rename(&tmp, &path)
+        };
+        write().map_err(|err| {
+            let _ = fs::remove_file(&tmp);
+            ApiError::internal(format!("cannot write the paused sandbox's record {}: {err}", path.display()))
+        })
+    }
+
+    /// Pauses a frozen sandbox to its files: its image, then its record. Returns the record.
+    pub async fn pause_to_disk(&self, e: &Arc<LiveSandbox>) -> Result<Arc<Record>, ApiError> {
+        let now = SystemTime::now();
+        let image = format!("{PAUSED_PREFIX}{}-{}", e.id, unix_ms(now));
+        let record = record_of(e, image.clone(), now);
+        let meta = self.capture(e, format!("pause of sandbox {}", e.id)).await?;
+        self.commit(&image, meta).await?;
+        if let Err(err) = self.write_record(&record) {
+            self.drop_image(&image).await;
+            return Err(err);
+        }
+        let record = Arc::new(record);
+        self.lock().insert(record.id.clone(), record.clone());
+        Ok(record)
+    }
+}
+
+/// A saved memory's directory name: `<id>.mem`, nothing else (it is joined to a path).
+fn valid_memory_dir(name: &str, id: &str) -> bool {
+    name.strip_suffix(".mem") == Some(id)
+}
+
+/// Bytes a directory's files take on disk (sparse files count what they hold).
+fn disk_bytes(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::read_dir(dir).map_or(0, |es| es.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.blocks() * 512).sum())
+}
+
+/// The record of sandbox `e` paused now, its files in `image`.
+fn record_of(e: &LiveSandbox, image: String, now: SystemTime) -> Record {
+    Record {
+        id: e.id.clone(),
+        tier: e.tier,
+        template: e.template.clone(),
+        image,
+        token: e.token.clone(),
+        traffic_token: e.traffic_token.clone(),
+        public_traffic: e.traffic.public,
+        mask_host: e.traffic.mask_host.clone(),
+        network: e.network(),
+        metadata: e.metadata.clone(),
+        env_vars: e.env_vars.clone(),
+        cpu_count: e.cpu_count,
+        memory_mb: e.memory_mb,
+        disk_mb: e.disk_mb,
+        lifecycle: e.lifecycle,
+        envd_version: e.envd_version.clone(),
+        started_unix_ms: unix_ms(e.started_at),
+        paused_unix_ms: unix_ms(now),
+        memory: None,
     }
 }
 

@@ -110,6 +110,11 @@ pub struct SandboxSpec {
     /// taken as a layer while it runs (a snapshot, a fork, a filesystem-only pause).
     #[serde(default)]
     pub keep_writable: bool,
+    /// Start from a running sandbox saved to this directory (`Sandbox::checkpoint`), with its
+    /// processes and memory, instead of afresh: a resume, a fork. Only read: one saved sandbox
+    /// can start many.
+    #[serde(default)]
+    pub restore: Option<std::path::PathBuf>,
 }
 
 fn default_user() -> String {
@@ -130,6 +135,7 @@ impl Default for SandboxSpec {
             network: NetworkPolicy::default(),
             audit: false,
             keep_writable: false,
+            restore: None,
         }
     }
 }

@@ -12,7 +12,7 @@ use crate::{VmError, VmTier};
 
 /// What vm sandboxes support: no egress forwarder yet, no host syscall audit (the guest kernel
 /// answers), and the OOM count is the guest's (a round trip through the agent).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true };
 
 /// The tier table's row for vm.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -83,6 +83,10 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.vm.accel().slowdown()
     }
 
+    fn checkpoint(&mut self, dir: &Path, keep_running: bool) -> Result<(), Error> {
+        self.vm.save(dir, keep_running).map(drop).map_err(vm_err("save the VM"))
+    }
+
     fn destroy(&mut self) -> Result<(), Error> {
         self.vm.destroy().map_err(|e| Error::failed("teardown", e))
     }
@@ -117,7 +121,10 @@ impl Backend for VmBackend {
             limits: spec.limits.clone(),
             agent: cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref()),
         };
-        let vm = self.tier.create(&cfg, &prep).map_err(vm_err("create the VM"))?;
+        let vm = match &spec.restore {
+            Some(dir) => self.tier.restore(&cfg, &prep, dir).map_err(vm_err("restore the saved VM"))?,
+            None => self.tier.create(&cfg, &prep).map_err(vm_err("create the VM"))?,
+        };
         Ok(Box::new(VmSandbox { vm, start: image.meta.start.clone(), _pin: pin }))
     }
 }

@@ -145,17 +145,7 @@ fn init() -> Result<(), String> {
     // No network device at all, but loopback must work: servers inside are reached through it
     // (the agent's port forwarding connects to 127.0.0.1).
     cordon_host::sys::loopback_up().map_err(|e| format!("bring up lo: {e}"))?;
-    let host = cfg.hostname.as_bytes();
-    // SAFETY: pointer and length of a live byte slice.
-    if unsafe { libc::sethostname(host.as_ptr().cast(), host.len()) } != 0 {
-        return Err(errno("sethostname"));
-    }
-    // As in the other tiers, the hostname resolves (sudo and many tools look it up); the write
-    // lands in the writable layer. Images without the file are left alone.
-    if let Ok(mut f) = fs::OpenOptions::new().append(true).open("/etc/hosts") {
-        use std::io::Write;
-        let _ = writeln!(f, "127.0.1.1\t{}", cfg.hostname);
-    }
+    set_hostname(&cfg.hostname)?;
     // The agent is the guest's PID 1 from here on, which the guest's OOM killer never picks; an
     // oom_score_adj here would be inherited by every command and shield them instead.
     tracing::debug!(elapsed = ?t0.elapsed(), "guest init ready");
@@ -166,10 +156,41 @@ fn init() -> Result<(), String> {
     cordon_agent::make_undumpable().map_err(|e| format!("make the agent non-dumpable: {e}"))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| format!("runtime: {e}"))?;
     rt.block_on(async move {
-        let link = cordon_channel::FdLink::duplex(link)?;
-        cordon_agent::serve_link(link, cfg.agent).await
+        let agent = cordon_agent::LinkAgent::start(cfg.agent)?;
+        let mut hostname = cfg.hostname;
+        loop {
+            let session = cordon_channel::FdLink::duplex(link.try_clone()?)?;
+            if agent.serve(session).await? == cordon_agent::LinkEnd::Closed {
+                return Ok(());
+            }
+            // Parked: the VM may be saved now and restored later, or several times over (a
+            // fork). Each wake brings the time and a seed, and a fork's hostname.
+            let port = link.try_clone()?;
+            let (woken, now) = tokio::task::spawn_blocking(move || link_handshake::park(&port)).await.map_err(std::io::Error::other)??;
+            set_clock(now).map_err(std::io::Error::other)?;
+            reseed(&woken.seed).map_err(std::io::Error::other)?;
+            if woken.hostname != hostname {
+                set_hostname(&woken.hostname).map_err(std::io::Error::other)?;
+                hostname = woken.hostname;
+            }
+        }
     })
-    .map_err(|e| format!("agent: {e}"))
+    .map_err(|e: std::io::Error| format!("agent: {e}"))
+}
+
+fn set_hostname(name: &str) -> Result<(), String> {
+    let host = name.as_bytes();
+    // SAFETY: pointer and length of a live byte slice.
+    if unsafe { libc::sethostname(host.as_ptr().cast(), host.len()) } != 0 {
+        return Err(errno("sethostname"));
+    }
+    // As in the other tiers, the hostname resolves (sudo and many tools look it up); the write
+    // lands in the writable layer. Images without the file are left alone.
+    if let Ok(mut f) = fs::OpenOptions::new().append(true).open("/etc/hosts") {
+        use std::io::Write;
+        let _ = writeln!(f, "127.0.1.1\t{name}");
+    }
+    Ok(())
 }
 
 fn set_clock(now: std::time::SystemTime) -> Result<(), String> {

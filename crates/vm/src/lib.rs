@@ -81,6 +81,8 @@ pub const MIN_MEMORY_MIB: u64 = 128;
 const VMM_OVERHEAD_MIB: u64 = 192;
 /// How long a guest may take from VMM start to a serving agent.
 const BOOT_DEADLINE: Duration = Duration::from_secs(90);
+/// How long a guest may take to park its link once asked (an emulated CPU is slow).
+const PARK_DEADLINE: Duration = Duration::from_secs(30);
 /// Set to 1 to see the guest's console (kernel messages, init steps) on stderr.
 pub const ENV_DEBUG: &str = "CORDON_VM_DEBUG";
 
@@ -221,9 +223,8 @@ impl VmTier {
                 .open(tmp.join("state"))
                 .map_err(io_err("create the snapshot's state file"))?;
             let template = VmConfig { id: template_id.clone(), ..cfg.clone() };
-            let (qmp_host, qmp_vmm) = std::os::unix::net::UnixStream::pair().map_err(io_err("socketpair"))?;
-            let vm = self.boot(&template, prep, Start::Template { monitor: qmp_vmm })?;
-            let mut qmp = qmp::Qmp::connect(qmp_host, Duration::from_secs(30)).map_err(io_err("talk to the template's VMM"))?;
+            let mut vm = self.boot(&template, prep, Start::Template)?;
+            let qmp = vm.qmp()?;
             qmp.migrate_to(&state, Duration::from_secs(120)).map_err(io_err("save the template's state"))?;
             // The guest is stopped now: its writable layer holds what its memory expects.
             disk::copy_sparse(&vm.entry.dir().join("rw.ext4"), &tmp.join("rw.ext4")).map_err(io_err("keep the template's writable layer"))?;
@@ -239,6 +240,30 @@ impl VmTier {
         Ok(snap)
     }
 
+    /// Starts a VM from what [`Vm::save`] wrote in `dir`, with its processes and memory: the
+    /// same VM again (a resume), or another one (a fork: `cfg` gives it its own id, hence its
+    /// hostname, and it gets its own seed and clock). `dir` is only read, so a failed start
+    /// loses nothing and one saved VM can start many.
+    pub fn restore(&self, cfg: &VmConfig, prep: &Prepared, dir: &Path) -> Result<Vm, VmError> {
+        cfg.limits.validate().map_err(|e| VmError::BadRequest(e.to_string()))?;
+        let saved = Saved { dir: dir.to_path_buf() };
+        let want = saved.key_file();
+        let have = fs::read_to_string(&want).map_err(io_err(format!("read {}", want.display())))?;
+        if have.trim() != self.boot_key(cfg, prep)? {
+            return Err(VmError::BadRequest(
+                "this saved VM was made with other VM settings or another guest kit, QEMU or image disk than this host has now: it cannot be restored; kill it".into(),
+            ));
+        }
+        self.boot(cfg, prep, Start::Resume(saved))
+    }
+
+    /// What a saved VM must match to be restored: its VMM arguments and host files, as a
+    /// snapshot's name is made.
+    fn boot_key(&self, cfg: &VmConfig, prep: &Prepared) -> Result<String, VmError> {
+        let host_files = [prep.kit.vmlinux.as_path(), prep.kit.initramfs.as_path(), prep.root_disk.as_path()];
+        snapshot::key(&*self.vmm, &boot_spec(cfg, prep), &host_files, cfg.limits.disk_bytes).map_err(io_err("name the VM's settings"))
+    }
+
     /// Starts one VM: its run directory, uid range and cgroups, its writable layer, the jailed
     /// VMM (cold, restored or as a template), then waits until it is ready.
     fn boot(&self, cfg: &VmConfig, prep: &Prepared, start: Start) -> Result<Vm, VmError> {
@@ -251,7 +276,11 @@ impl VmTier {
                 disk::copy_sparse(&snap.rw(), &rw).map_err(io_err("copy the snapshot's writable layer"))?;
                 disk::hand_to(&rw, uid)?;
             }
-            Start::Cold | Start::Template { .. } => disk::writable_layer(&rw, cfg.limits.disk_bytes, uid)?,
+            Start::Resume(saved) => {
+                disk::copy_sparse(&saved.rw(), &rw).map_err(io_err("copy the saved VM's writable layer"))?;
+                disk::hand_to(&rw, uid)?;
+            }
+            Start::Cold | Start::Template => disk::writable_layer(&rw, cfg.limits.disk_bytes, uid)?,
         }
         tracing::debug!(elapsed = ?t.elapsed(), "writable layer made");
 
@@ -266,7 +295,18 @@ impl VmTier {
         let mut spec = boot_spec(cfg, prep);
         // Descriptors the VMM gets for this start, kept open until it has them.
         let mut passed: Vec<OwnedFd> = Vec::new();
+        // Every VM has a monitor, the host's only: a template's state is saved through it, and
+        // a sandbox's when it is paused or forked. Nothing of the guest reaches it.
+        let (monitor, monitor_vmm) = std::os::unix::net::UnixStream::pair().map_err(io_err("socketpair"))?;
+        plan.pass_fd(monitor_vmm.as_raw_fd(), MONITOR_FD);
+        spec.monitor_fd = Some(MONITOR_FD);
+        passed.push(monitor_vmm.into());
+        vm.monitor = Some(monitor);
         let handshake = start_handshake(cfg, start, &mut plan, &mut spec, &mut passed)?;
+        let handshake_kind = match handshake {
+            Handshake::Template => HandshakeKind::Template,
+            _ => HandshakeKind::Agent,
+        };
         let (cmd, con_r) = self.vmm_command(&spec, plan)?;
         tracing::debug!(id = %cfg.id, args = ?self.vmm.args(&spec), "starting VMM");
 
@@ -274,10 +314,15 @@ impl VmTier {
         // parent-death signal ties the VMM's life to that thread, hence to this handle.
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let (parked_tx, parked_rx) = std::sync::mpsc::sync_channel(1);
+        let (wake_tx, wake_rx) = std::sync::mpsc::sync_channel(1);
+        let parking = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        vm.link = Some(LinkControl { parking: parking.clone(), parked: parked_rx, wake: wake_tx, guest: guest_config(cfg)? });
         let console = vm.console.clone();
+        let link = VmLink { host_end, listener, parking, parked: parked_tx, wake: wake_rx };
         let thread = std::thread::Builder::new()
             .name(format!("vm-{}", cfg.id))
-            .spawn(move || vm_thread(cmd, tx, host_end, handshake, ready_tx, listener, con_r, console))
+            .spawn(move || vm_thread(cmd, tx, link, handshake, ready_tx, con_r, console))
             .map_err(io_err("start VM thread"))?;
         vm.thread = Some(thread);
         let started = rx.recv().map_err(|_| VmError::Boot("the VM thread ended early".into()))?;
@@ -288,7 +333,7 @@ impl VmTier {
         vm.pid = pid;
         vm.pidfd = Some(cordon_host::sys::pidfd_open(pid).map_err(io_err("pidfd_open VMM"))?);
         vm.write_record()?;
-        if spec.monitor_fd.is_some() {
+        if matches!(handshake_kind, HandshakeKind::Template) {
             // A template is done booting when its guest asks for the config.
             match ready_rx.recv_timeout(BOOT_DEADLINE) {
                 Ok(Ok(())) => {}
@@ -318,6 +363,10 @@ impl VmTier {
             pid: 0,
             pidfd: None,
             thread: None,
+            monitor: None,
+            qmp: None,
+            link: None,
+            key: self.boot_key(cfg, prep)?,
             console: Arc::new(Mutex::new(VecDeque::new())),
             accel: prep.accel.accel,
             torn_down: false,
@@ -385,12 +434,15 @@ fn start_handshake(cfg: &VmConfig, start: Start, plan: &mut jailer::Plan, spec: 
             passed.push(state.into());
             Handshake::Restored(guest_config(cfg)?)
         }
-        Start::Template { monitor } => {
-            plan.pass_fd(monitor.as_raw_fd(), MONITOR_FD);
-            spec.monitor_fd = Some(MONITOR_FD);
-            passed.push(monitor.into());
-            Handshake::Template
+        Start::Resume(saved) => {
+            tracing::debug!(id = %cfg.id, saved = %saved.dir.display(), "restoring a saved VM");
+            let state = fs::File::open(saved.state()).map_err(io_err("open the saved VM's state"))?;
+            plan.pass_fd(state.as_raw_fd(), STATE_FD);
+            spec.incoming_fd = Some(STATE_FD);
+            passed.push(state.into());
+            Handshake::Resumed(guest_config(cfg)?)
         }
+        Start::Template => Handshake::Template,
     })
 }
 
@@ -405,9 +457,16 @@ enum Start {
     Cold,
     /// From a snapshot.
     Restore(snapshot::Snapshot),
-    /// As a template: boots cold with a monitor, through which its state is saved once the
-    /// guest asks for its config.
-    Template { monitor: std::os::unix::net::UnixStream },
+    /// From a saved running VM ([`Vm::save`]), whose guest waits, parked, to be woken.
+    Resume(Saved),
+    /// As a template: boots cold, and its state is saved through its monitor once the guest
+    /// asks for its config.
+    Template,
+}
+
+enum HandshakeKind {
+    Template,
+    Agent,
 }
 
 /// What the VM thread says to the guest before the agent link begins.
@@ -415,6 +474,8 @@ enum Handshake {
     Fresh(link_handshake::GuestConfig),
     /// The guest asked for its config before its snapshot was taken.
     Restored(link_handshake::GuestConfig),
+    /// The guest was parked when it was saved.
+    Resumed(link_handshake::GuestConfig),
     Template,
 }
 
@@ -446,14 +507,33 @@ fn boot_spec(cfg: &VmConfig, prep: &Prepared) -> vmm::BootSpec {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The host end of a VM's agent link, as the VM's thread serves it.
+struct VmLink {
+    host_end: std::os::unix::net::UnixStream,
+    listener: std::os::unix::net::UnixListener,
+    /// Set by [`Vm::park`] before it asks the agent to park: the link's end is then a park.
+    parking: Arc<std::sync::atomic::AtomicBool>,
+    /// Whether the guest parked (its marker read).
+    parked: std::sync::mpsc::SyncSender<io::Result<()>>,
+    /// What to tell a parked guest: wake with this config, or nothing (the VM ends).
+    wake: std::sync::mpsc::Receiver<link_handshake::GuestConfig>,
+}
+
+/// The handle's side of [`VmLink`].
+struct LinkControl {
+    parking: Arc<std::sync::atomic::AtomicBool>,
+    parked: std::sync::mpsc::Receiver<io::Result<()>>,
+    wake: std::sync::mpsc::SyncSender<link_handshake::GuestConfig>,
+    /// This VM's config, sent again (with a fresh seed) when it is woken in place.
+    guest: link_handshake::GuestConfig,
+}
+
 fn vm_thread(
     mut cmd: std::process::Command,
     tx: std::sync::mpsc::SyncSender<io::Result<i32>>,
-    mut host_end: std::os::unix::net::UnixStream,
+    link: VmLink,
     handshake: Handshake,
     ready: std::sync::mpsc::SyncSender<io::Result<()>>,
-    listener: std::os::unix::net::UnixListener,
     console_r: OwnedFd,
     console: Arc<Mutex<VecDeque<u8>>>,
 ) {
@@ -483,40 +563,66 @@ fn vm_thread(
             c.drain(..excess);
         }
     });
-    // The exchange before the agent link: it ends with an error if the VMM dies (EOF).
-    let _ = host_end.set_read_timeout(Some(BOOT_DEADLINE));
-    let said = match handshake {
-        Handshake::Fresh(cfg) => link_handshake::await_ready(&mut host_end).and_then(|()| link_handshake::send(&mut host_end, &cfg)),
-        Handshake::Restored(cfg) => link_handshake::send(&mut host_end, &cfg),
-        Handshake::Template => {
-            let r = link_handshake::await_ready(&mut host_end);
-            let failed = r.is_err();
-            let _ = ready.send(r);
-            if !failed {
-                // The host saves the VM now and then kills it; the link stays open till then.
-                let _ = child.wait();
+    let VmLink { mut host_end, listener, parking, parked, wake } = link;
+    let mut handshake = handshake;
+    loop {
+        // The exchange before the agent link: it ends with an error if the VMM dies (EOF).
+        let _ = host_end.set_nonblocking(false);
+        let _ = host_end.set_read_timeout(Some(BOOT_DEADLINE));
+        let said = match handshake {
+            Handshake::Fresh(cfg) => link_handshake::await_ready(&mut host_end).and_then(|()| link_handshake::send(&mut host_end, &cfg)),
+            Handshake::Restored(cfg) => link_handshake::send(&mut host_end, &cfg),
+            Handshake::Resumed(cfg) => link_handshake::resume(&mut host_end, &cfg),
+            Handshake::Template => {
+                let r = link_handshake::await_ready(&mut host_end);
+                let failed = r.is_err();
+                let _ = ready.send(r);
+                if !failed {
+                    // The host saves the VM now and then kills it; the link stays open till then.
+                    let _ = child.wait();
+                }
+                Err(io::Error::other("a template serves no agent"))
             }
-            Err(io::Error::other("a template serves no agent"))
+        };
+        let served = said.and_then(|()| serve_link(&host_end, &listener));
+        if let Err(e) = served {
+            tracing::debug!("agent link ended: {e}");
+            break;
         }
-    };
-    let served = said.and_then(|()| {
-        let _ = host_end.set_read_timeout(None);
-        tokio::runtime::Builder::new_current_thread().enable_all().build().and_then(|rt| {
-            rt.block_on(async move {
-                host_end.set_nonblocking(true)?;
-                let link = cordon_channel::FdLink::duplex(OwnedFd::from(host_end))?;
-                let listener = tokio::net::UnixListener::from_std(listener)?;
-                cordon_channel::serve_unix(link, listener).await
-            })
-        })
-    });
-    if let Err(e) = served {
-        tracing::debug!("agent link ended: {e}");
+        if !parking.load(std::sync::atomic::Ordering::SeqCst) {
+            break;
+        }
+        // The agent closed its end of the multiplexer because it was asked to park.
+        let _ = host_end.set_nonblocking(false);
+        let _ = host_end.set_read_timeout(Some(PARK_DEADLINE));
+        let r = link_handshake::await_parked(&mut host_end);
+        let ok = r.is_ok();
+        let _ = parked.send(r);
+        if !ok {
+            break;
+        }
+        match wake.recv() {
+            Ok(cfg) => handshake = Handshake::Resumed(cfg),
+            Err(_) => break,
+        }
     }
     // The link ends when the VMM exits (or is killed): reap it here, its parent thread.
     let _ = child.kill();
     let _ = child.wait();
     let _ = reader.join();
+}
+
+/// Serves one session of the agent link: the sandbox's socket, one stream per connection,
+/// until the agent closes the link (it parked) or it breaks.
+fn serve_link(host_end: &std::os::unix::net::UnixStream, listener: &std::os::unix::net::UnixListener) -> io::Result<()> {
+    let (end, listener) = (host_end.try_clone()?, listener.try_clone()?);
+    end.set_read_timeout(None)?;
+    tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async move {
+        end.set_nonblocking(true)?;
+        let link = cordon_channel::FdLink::duplex(OwnedFd::from(end))?;
+        let listener = tokio::net::UnixListener::from_std(listener)?;
+        cordon_channel::serve_unix(link, listener).await
+    })
 }
 
 /// A live VM. Dropping it kills the VMM and removes every trace.
@@ -530,9 +636,37 @@ pub struct Vm {
     pid: i32,
     pidfd: Option<OwnedFd>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The host end of the VMM's monitor, until the first command connects [`Vm::qmp`].
+    monitor: Option<std::os::unix::net::UnixStream>,
+    qmp: Option<qmp::Qmp>,
+    link: Option<LinkControl>,
+    /// What a saved copy of this VM must match to be restored ([`VmTier::restore`]).
+    key: String,
     console: Arc<Mutex<VecDeque<u8>>>,
     accel: Accel,
     torn_down: bool,
+}
+
+/// A running VM saved to a directory by [`Vm::save`]: its machine state (`state`, guest
+/// memory and devices), its writable layer (`rw.ext4`) and what it must be restored with
+/// (`key`).
+#[derive(Debug, Clone)]
+pub struct Saved {
+    pub dir: PathBuf,
+}
+
+impl Saved {
+    fn state(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    fn rw(&self) -> PathBuf {
+        self.dir.join("rw.ext4")
+    }
+
+    fn key_file(&self) -> PathBuf {
+        self.dir.join("key")
+    }
 }
 
 impl Vm {
@@ -576,6 +710,77 @@ impl Vm {
         let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd, zero timeout.
         unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    }
+
+    /// The VMM's monitor (connected on first use: QMP greets once per connection).
+    fn qmp(&mut self) -> Result<&mut qmp::Qmp, VmError> {
+        if self.qmp.is_none() {
+            let sock = self.monitor.take().ok_or_else(|| VmError::Boot("this VM has no monitor".into()))?;
+            self.qmp = Some(qmp::Qmp::connect(sock, Duration::from_secs(30)).map_err(io_err("talk to the VMM's monitor"))?);
+        }
+        Ok(self.qmp.as_mut().expect("just set"))
+    }
+
+    /// Saves the running VM, processes and memory, into `dir` (created; it must not exist):
+    /// the guest parks its agent link, the VMM writes the machine's state (QEMU migration to a
+    /// file) and the writable layer is copied while the guest is stopped. With `keep_running`
+    /// the guest then goes on where it was (a fork's source) with a fresh seed and clock; else
+    /// it stays stopped and the VM is to be destroyed (a pause). On any error `dir` is removed
+    /// and the VM goes on running.
+    pub fn save(&mut self, dir: &Path, keep_running: bool) -> Result<Saved, VmError> {
+        let saved = Saved { dir: dir.to_path_buf() };
+        // The guest's memory is the sandbox's business only.
+        std::os::unix::fs::DirBuilderExt::mode(&mut fs::DirBuilder::new(), 0o700).create(dir).map_err(io_err(format!("create {}", dir.display())))?;
+        let t = Instant::now();
+        self.park()?;
+        tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "guest parked");
+        let written = (|| {
+            use std::os::unix::fs::OpenOptionsExt;
+            let state = fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(saved.state()).map_err(io_err("create the state file"))?;
+            self.qmp()?.migrate_to(&state, Duration::from_secs(300)).map_err(io_err("save the VM's state"))?;
+            state.sync_all().map_err(io_err("write the state file"))?;
+            tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "VM state saved");
+            // The guest is stopped: its writable layer holds what its memory expects.
+            disk::copy_sparse(&self.entry.dir().join("rw.ext4"), &saved.rw()).map_err(io_err("keep the VM's writable layer"))?;
+            fs::write(saved.key_file(), &self.key).map_err(io_err("write the saved VM's key"))
+        })();
+        if written.is_err() {
+            let _ = fs::remove_dir_all(dir);
+        }
+        if written.is_err() || keep_running {
+            self.wake()?;
+        }
+        written.map(|()| saved)
+    }
+
+    /// Asks the agent to park its link and waits until it has.
+    fn park(&self) -> Result<(), VmError> {
+        use std::io::Write;
+        let link = self.link.as_ref().ok_or_else(|| VmError::Boot("this VM has no agent link to park".into()))?;
+        link.parking.store(true, std::sync::atomic::Ordering::SeqCst);
+        let asked = std::os::unix::net::UnixStream::connect(&self.socket).and_then(|mut s| s.write_all(cordon_agent::PARK_REQUEST).map(|()| s));
+        let said = match asked {
+            Ok(_conn) => link.parked.recv_timeout(PARK_DEADLINE + Duration::from_secs(5)).unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
+            Err(e) => Err(e),
+        };
+        said.map_err(|e| {
+            link.parking.store(false, std::sync::atomic::Ordering::SeqCst);
+            VmError::Boot(format!("the guest did not park its link: {e}"))
+        })
+    }
+
+    /// Lets a parked guest go on (after a save, or a failed one), with a fresh seed.
+    fn wake(&mut self) -> Result<(), VmError> {
+        let status = self.qmp()?.execute("query-status", serde_json::json!({})).map_err(io_err("ask the VMM"))?;
+        if status["running"] != serde_json::json!(true) {
+            self.qmp()?.execute("cont", serde_json::json!({})).map_err(io_err("let the VM run again"))?;
+        }
+        let link = self.link.as_ref().ok_or_else(|| VmError::Boot("this VM has no agent link".into()))?;
+        let mut cfg = link.guest.clone();
+        getrandom::fill(&mut cfg.seed).map_err(|e| VmError::Io { what: "seed for the guest".into(), source: io::Error::other(e) })?;
+        link.parking.store(false, std::sync::atomic::Ordering::SeqCst);
+        link.wake.send(cfg).map_err(|_| VmError::Boot("the VM's link is gone".into()))?;
+        self.wait_ready(BOOT_DEADLINE)
     }
 
     /// Kills the VMM now (the whole guest with it).
@@ -663,6 +868,8 @@ impl Vm {
         }
         self.torn_down = true;
         self.kill();
+        // A thread waiting to wake a parked guest hears that it never will.
+        self.link.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

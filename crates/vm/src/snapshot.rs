@@ -81,6 +81,12 @@ pub fn prune(snapshots: &Path) {
 
 /// The snapshot for VMs booted by `vmm` with `spec` (as the VMM sees it) from these host files.
 pub fn of(snapshots: &Path, vmm: &dyn Vmm, spec: &BootSpec, host_files: &[&Path], rw_bytes: u64) -> io::Result<Snapshot> {
+    Ok(Snapshot { dir: snapshots.join(key(vmm, spec, host_files, rw_bytes)?) })
+}
+
+/// What a saved VM state belongs to: the VMM's arguments, its binary and the host files it
+/// boots from (by inode, size and time), and the writable layer's size.
+pub fn key(vmm: &dyn Vmm, spec: &BootSpec, host_files: &[&Path], rw_bytes: u64) -> io::Result<String> {
     let mut h = Sha256::new();
     for a in vmm.args(spec) {
         h.update(a.as_bytes());
@@ -91,8 +97,7 @@ pub fn of(snapshots: &Path, vmm: &dyn Vmm, spec: &BootSpec, host_files: &[&Path]
         h.update(format!("{}\0{}\0{}\0{}\0", f.display(), m.ino(), m.len(), m.mtime_nsec() + m.mtime() * 1_000_000_000).as_bytes());
     }
     h.update(rw_bytes.to_le_bytes());
-    let key: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
-    Ok(Snapshot { dir: snapshots.join(key) })
+    Ok(h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect())
 }
 
 /// Holds the snapshot's build lock: two cordon processes that need the same snapshot build it
