@@ -213,20 +213,35 @@ fn timeout_from(t: Option<i64>, default: u64) -> Result<Duration, ApiError> {
 }
 
 async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let b: CreateBody = read_json(req, false).await?;
+    let mut b: CreateBody = read_json(req, false).await?;
+    let template = b.template_id.clone().filter(|t| !t.is_empty()).unwrap_or_else(|| "base".to_string());
+    // A snapshot (`<templateID>:default`, `name[:tag]`) starts a sandbox of its files, or one
+    // restored from its memory on the tier and with the limits it was saved with.
+    let resolved = app.sandboxes.saved.as_ref().and_then(|s| s.snapshots.resolve(&template));
+    let restore = match resolved.as_ref().and_then(|r| r.memory.clone()) {
+        Some((dir, (tier, cpus, memory, disk))) => {
+            if b.tier.as_deref().is_some_and(|t| t != tier.as_str()) {
+                return Err(ApiError::bad_request(format!("snapshot '{template}' keeps the memory of a {tier} sandbox: create it on the {tier} tier (or leave the tier out)")));
+            }
+            b.tier = Some(tier.as_str().to_string());
+            (b.cpu_count, b.memory_mb, b.disk_mb) = (Some(cpus), Some(memory), Some(disk));
+            Some(dir)
+        }
+        None => None,
+    };
+    let memory_image = resolved.as_ref().filter(|r| r.memory.is_some()).map(|r| r.image.clone());
+    let snapshot = resolved.filter(|r| r.memory.is_none()).map(|r| r.image);
     let tier = match b.tier.as_deref() {
         None => cordon_spec::Tier::Ns,
         Some(t) => t.parse().map_err(|e: cordon_spec::SpecError| ApiError::bad_request(format!("tier: {}", e.reason)))?,
     };
-    let template = b.template_id.filter(|t| !t.is_empty()).unwrap_or_else(|| "base".to_string());
-    // A snapshot (`<templateID>:default`, `name[:tag]`) starts a sandbox of its files.
-    let snapshot = app.sandboxes.saved.as_ref().and_then(|s| s.snapshots.resolve(&template));
     // A built template's name (`name`, `name:tag`) or id means the image of its build.
     let template = match &snapshot {
         Some(_) => template,
+        None if restore.is_some() => template,
         None => app.templates.as_ref().and_then(|t| t.resolve(&template)).unwrap_or(template),
     };
-    if snapshot.is_none() && cordon_image::validate_name(&template).is_err() {
+    if snapshot.is_none() && restore.is_none() && cordon_image::validate_name(&template).is_err() {
         return Err(ApiError::bad_request(format!("template '{template}' is not a valid image name")));
     }
     let cpu_count = b.cpu_count.unwrap_or(DEFAULT_CPUS);
@@ -272,7 +287,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
     };
     let timeout = timeout_from(b.timeout, DEFAULT_TIMEOUT_SECS)?;
     let lifecycle = crate::pause::Lifecycle::from_create(b.auto_pause, b.auto_pause_memory, b.auto_resume.and_then(|a| a.enabled), timeout)?;
-    if let Some(builds) = snapshot.is_none().then_some(app.builds.as_ref()).flatten() {
+    if let Some(builds) = (snapshot.is_none() && restore.is_none()).then_some(app.builds.as_ref()).flatten() {
         builds.ready(&app.images, &template).await?;
     }
     let who = crate::registry::Identity::fresh();
@@ -284,7 +299,8 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             saved.own_copy(snap, &own).await?;
             (own.clone(), Some(own))
         }
-        _ => (template.clone(), None),
+        // A snapshot with memory restores onto its source's image.
+        _ => (memory_image.unwrap_or_else(|| template.clone()), None),
     };
     let created = app
         .sandboxes
@@ -303,7 +319,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             disk_mb,
             network,
             traffic,
-            restore: None,
+            restore,
             },
             who,
         )

@@ -340,6 +340,38 @@ impl Saved {
         Ok((e.clone(), meta?))
     }
 
+    /// The running state of sandbox `id`, processes and memory, saved for a fork on a tier
+    /// that saves it to disk; the sandbox goes on where it was. Refused as
+    /// [`Saved::capture_running`] refuses.
+    pub async fn checkpoint_running(&self, sandboxes: &crate::registry::Sandboxes, id: &str, paused: impl Fn() -> ApiError) -> Result<(Arc<LiveSandbox>, KeptMemory), ApiError> {
+        if self.get(id).is_some() {
+            return Err(paused());
+        }
+        let not_found = || ApiError::not_found(format!("sandbox {id} not found"));
+        let e = sandboxes.get(id).ok_or_else(not_found)?;
+        let _turn = e.transition.lock().await;
+        if !sandboxes.get(id).is_some_and(|now| Arc::ptr_eq(&now, &e)) {
+            return Err(if self.get(id).is_some() { paused() } else { not_found() });
+        }
+        if e.frozen_at().is_some() {
+            return Err(paused());
+        }
+        self.check_budget(e.memory_current().unwrap_or(0))?;
+        // Named like no record's memory: the next start deletes it if this server dies first.
+        let kept = KeptMemory { dir: self.dir.join(format!(".fork-{id}-{}.mem", unix_ms(SystemTime::now()))) };
+        let mut instance = e.take_instance().ok_or_else(not_found)?;
+        let at = kept.dir.clone();
+        let (instance, done) = tokio::task::spawn_blocking(move || {
+            let r = instance.checkpoint(&at, true);
+            (instance, r)
+        })
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+        e.put_instance(instance);
+        done.map_err(|err| ApiError::internal(format!("cannot save the sandbox's memory: {err}")))?;
+        Ok((e.clone(), kept))
+    }
+
     /// Names `meta` as image `name` (over layers already in the store).
     pub async fn commit(&self, name: &str, meta: cordon_image::ImageMeta) -> Result<(), ApiError> {
         let (store, name) = (self.store.clone(), name.to_string());
@@ -428,6 +460,28 @@ impl Saved {
         let record = Arc::new(record);
         self.lock().insert(record.id.clone(), record.clone());
         Ok(record)
+    }
+}
+
+/// A running sandbox's state saved for forks, deleted when dropped.
+pub struct KeptMemory {
+    pub dir: PathBuf,
+}
+
+impl KeptMemory {
+    /// Moves it to `to` for good (a snapshot's): no longer deleted when dropped.
+    pub fn persist(mut self, to: &std::path::Path) -> std::io::Result<()> {
+        fs::rename(&self.dir, to)?;
+        self.dir = PathBuf::new();
+        Ok(())
+    }
+}
+
+impl Drop for KeptMemory {
+    fn drop(&mut self) {
+        if !self.dir.as_os_str().is_empty() {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

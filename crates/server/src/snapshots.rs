@@ -6,6 +6,12 @@
 //! The list is `<state>/snapshots.json`, replaced by one rename per change. Names are E2B's:
 //! an unnamed snapshot is `<templateID>:default`; a named one `<name>:<tag>` (tag `default`
 //! unless given), and naming a new snapshot with a name in use gives that template a new build.
+//!
+//! On a tier that saves a running sandbox to disk (the vm tier) a snapshot keeps its processes
+//! and memory too: the source's state is saved in `<state>/snapshots/<templateID>-<ms>.mem`,
+//! the source goes on, and each sandbox started from the snapshot is restored from that state
+//! (its processes running) with its own id, hostname, seed and clock, on the source's tier and
+//! with its limits.
 
 use std::fs;
 use std::path::PathBuf;
@@ -30,6 +36,22 @@ pub struct Snapshot {
     pub image: String,
     pub sandbox_id: String,
     pub created_unix_ms: u64,
+    /// A snapshot with memory: its saved state's directory in `<state>/snapshots`; `image` is
+    /// then its source's image, not its own.
+    #[serde(default)]
+    pub memory: Option<String>,
+    /// The tier and limits (cpus, memory MB, disk MB) a snapshot with memory must be restored
+    /// with.
+    #[serde(default)]
+    pub restore_as: Option<(cordon_spec::Tier, u32, u64, u64)>,
+}
+
+/// What a create from a snapshot starts from.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub image: String,
+    /// The saved state to restore, and the tier and limits to restore it with.
+    pub memory: Option<(PathBuf, (cordon_spec::Tier, u32, u64, u64))>,
 }
 
 impl Snapshot {
@@ -54,6 +76,8 @@ impl Snapshot {
 /// The snapshot list.
 pub struct Snapshots {
     path: PathBuf,
+    /// Where snapshots' saved memory lives.
+    dir: PathBuf,
     list: Mutex<Vec<Snapshot>>,
 }
 
@@ -65,7 +89,30 @@ impl Snapshots {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(ServerError::Io { what: format!("read {}", path.display()), source: e }),
         };
-        Ok(Snapshots { path, list: Mutex::new(list) })
+        let dir = state_dir.join("snapshots");
+        fs::create_dir_all(&dir).map_err(|e| ServerError::Io { what: format!("create {}", dir.display()), source: e })?;
+        let list: Vec<Snapshot> = list;
+        // Saved memory no snapshot names: a snapshot cut short by a stop of the server.
+        for entry in fs::read_dir(&dir).map_err(|e| ServerError::Io { what: format!("list {}", dir.display()), source: e })?.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !list.iter().any(|s| s.memory.as_deref() == Some(name.as_str())) {
+                tracing::info!(dir = %entry.path().display(), "deleting a saved memory no snapshot names");
+                let _ = fs::remove_dir_all(entry.path());
+            }
+        }
+        Ok(Snapshots { path, dir, list: Mutex::new(list) })
+    }
+
+    /// Deletes what snapshot `s` kept: its saved memory, or its image and the layers only it
+    /// named.
+    async fn drop_kept(&self, saved: &crate::saved::Saved, s: &Snapshot) {
+        match &s.memory {
+            Some(m) => {
+                let dir = self.dir.join(m);
+                let _ = tokio::task::spawn_blocking(move || fs::remove_dir_all(dir)).await;
+            }
+            None => saved.drop_image(&s.image).await,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Snapshot>> {
@@ -77,9 +124,12 @@ impl Snapshots {
         self.lock().iter().map(|s| s.image.clone()).collect()
     }
 
-    /// The image of the snapshot `reference` names, if one does.
-    pub fn resolve(&self, reference: &str) -> Option<String> {
-        self.lock().iter().find(|s| s.answers_to(reference)).map(|s| s.image.clone())
+    /// What the snapshot `reference` names starts from, if one does.
+    pub fn resolve(&self, reference: &str) -> Option<Resolved> {
+        self.lock().iter().find(|s| s.answers_to(reference)).map(|s| Resolved {
+            image: s.image.clone(),
+            memory: s.memory.as_ref().zip(s.restore_as).map(|(m, r)| (self.dir.join(m), r)),
+        })
     }
 
     fn save(&self, list: &[Snapshot]) -> Result<(), ApiError> {
@@ -118,13 +168,21 @@ fn parse_name(name: &str) -> Result<(String, String), ApiError> {
 pub async fn create(sandboxes: &Arc<Sandboxes>, id: &str, name: Option<&str>, memory: Option<bool>) -> Result<Value, ApiError> {
     let saved = sandboxes.saved.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "this server keeps no state: it cannot take snapshots").no_retry())?;
     let named = name.filter(|n| !n.is_empty()).map(parse_name).transpose()?;
-    if memory == Some(true) {
+    let paused = || ApiError::new(StatusCode::CONFLICT, format!("sandbox '{id}' cannot be snapshotted while in 'paused' state")).no_retry();
+    let caps = match sandboxes.get(id) {
+        Some(e) => sandboxes.capabilities(e.tier),
+        None if saved.get(id).is_some() => return Err(paused()),
+        None => return Err(ApiError::not_found(format!("sandbox {id} not found"))),
+    };
+    let with_memory = caps.checkpoint && !caps.keep_writable;
+    if memory == Some(true) && !with_memory {
         return Err(ApiError::bad_request(
-            "snapshots keep a sandbox's files, not its memory, on this server's tiers: send memory=false or leave it out",
+            "snapshots keep a sandbox's files, not its memory, on this sandbox's tier: send memory=false or leave it out",
         ));
     }
-    let paused = || ApiError::new(StatusCode::CONFLICT, format!("sandbox '{id}' cannot be snapshotted while in 'paused' state")).no_retry();
-    let (_, meta) = saved.capture_running(sandboxes, id, "snapshot", paused).await?;
+    if memory == Some(false) && with_memory {
+        return Err(ApiError::bad_request("snapshots of this sandbox's tier keep its memory with its files: send memory=true or leave it out"));
+    }
     let now = SystemTime::now();
     let existing = named.as_ref().and_then(|(n, _)| saved.snapshots.lock().iter().find(|s| s.name.as_deref() == Some(n.as_str())).map(|s| s.template_id.clone()));
     let template_id = existing.unwrap_or_else(|| {
@@ -132,13 +190,30 @@ pub async fn create(sandboxes: &Arc<Sandboxes>, id: &str, name: Option<&str>, me
         t.replace_range(0..1, "s");
         t
     });
-    let image = format!("{SNAPSHOT_PREFIX}{template_id}-{}", unix_ms(now));
-    saved.commit(&image, meta).await?;
     let (name, tag) = match named {
         Some((n, t)) => (Some(n), t),
         None => (None, "default".to_string()),
     };
-    let snap = Snapshot { template_id, name, tag, image, sandbox_id: id.to_string(), created_unix_ms: unix_ms(now) };
+    let snap = if with_memory {
+        let (e, kept) = saved.checkpoint_running(sandboxes, id, paused).await?;
+        let dir = format!("{template_id}-{}.mem", unix_ms(now));
+        kept.persist(&saved.snapshots.dir.join(&dir)).map_err(|err| ApiError::internal(format!("cannot keep the snapshot's memory: {err}")))?;
+        Snapshot {
+            template_id,
+            name,
+            tag,
+            image: e.image.clone(),
+            sandbox_id: id.to_string(),
+            created_unix_ms: unix_ms(now),
+            memory: Some(dir),
+            restore_as: Some((e.tier, e.cpu_count, e.memory_mb, e.disk_mb)),
+        }
+    } else {
+        let (_, meta) = saved.capture_running(sandboxes, id, "snapshot", paused).await?;
+        let image = format!("{SNAPSHOT_PREFIX}{template_id}-{}", unix_ms(now));
+        saved.commit(&image, meta).await?;
+        Snapshot { template_id, name, tag, image, sandbox_id: id.to_string(), created_unix_ms: unix_ms(now), memory: None, restore_as: None }
+    };
     let replaced = {
         let mut list = saved.snapshots.lock();
         let mut next = list.clone();
@@ -153,12 +228,12 @@ pub async fn create(sandboxes: &Arc<Sandboxes>, id: &str, name: Option<&str>, me
     let replaced = match replaced {
         Ok(r) => r,
         Err(err) => {
-            saved.drop_image(&snap.image).await;
+            saved.snapshots.drop_kept(saved, &snap).await;
             return Err(err);
         }
     };
     for old in replaced {
-        saved.drop_image(&old.image).await;
+        saved.snapshots.drop_kept(saved, &old).await;
     }
     tracing::info!(sandbox = %id, snapshot = %snap.snapshot_id(), image = %snap.image, "snapshot taken");
     Ok(snap.to_json())
@@ -202,8 +277,9 @@ pub async fn delete(sandboxes: &Sandboxes, reference: &str) -> Result<Option<()>
         gone
     };
     for s in gone {
-        // Sandboxes started from it run on images of their own over the same layers.
-        saved.drop_image(&s.image).await;
+        // Sandboxes started from it run on images of their own over the same layers, or on
+        // their own copies of its saved memory.
+        saved.snapshots.drop_kept(saved, &s).await;
         tracing::info!(snapshot = %s.snapshot_id(), "snapshot deleted");
     }
     Ok(Some(()))

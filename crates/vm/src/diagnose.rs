@@ -11,7 +11,10 @@ use crate::VmTier;
 pub fn diagnose(host: &Host) -> Diagnosis {
     let mut findings = vec![
         mkfs(),
-        Finding::warn("pause", "not on this tier yet: pause, snapshots and forks answer 501", "use the ns or gvisor tier for sandboxes that pause"),
+        Finding::ok(
+            "pause",
+            "with memory, to disk: the guest's memory and devices to a file by QEMU migration, the VMM exits and frees its RAM (pauseMode full); snapshots and forks keep memory too; no files-only pause",
+        ),
     ];
     let tier = match VmTier::open(&host.state_dir, host.exe.clone()) {
         Ok(t) => t,
