@@ -39,22 +39,8 @@ pub async fn fork(sandboxes: &Arc<Sandboxes>, id: &str, count: u32, timeout: Dur
         return fork_memory(sandboxes, saved, id, count, timeout, domain, paused).await;
     }
     let (e, meta) = saved.capture_running(sandboxes, id, "fork", paused).await?;
-    let req = NewSandbox {
-        tier: e.tier,
-        template: e.template.clone(),
-        image: String::new(),
-        own_image: None,
-        lifecycle: e.lifecycle,
-        timeout,
-        metadata: e.metadata.clone(),
-        env_vars: e.env_vars.clone(),
-        cpu_count: e.cpu_count,
-        memory_mb: e.memory_mb,
-        disk_mb: e.disk_mb,
-        network: e.network(),
-        traffic: e.traffic.clone(),
-        restore: None,
-    };
+    // Each fork gets an image of its own below.
+    let req = like(&e, timeout);
     let one = |n: u32| {
         let (meta, mut req) = (meta.clone(), req.clone());
         async move {
@@ -104,22 +90,7 @@ async fn fork_memory(
     paused: impl Fn() -> ApiError,
 ) -> Result<Vec<Value>, ApiError> {
     let (e, kept) = saved.checkpoint_running(sandboxes, id, paused).await?;
-    let req = NewSandbox {
-        tier: e.tier,
-        template: e.template.clone(),
-        image: e.image.clone(),
-        own_image: None,
-        lifecycle: e.lifecycle,
-        timeout,
-        metadata: e.metadata.clone(),
-        env_vars: e.env_vars.clone(),
-        cpu_count: e.cpu_count,
-        memory_mb: e.memory_mb,
-        disk_mb: e.disk_mb,
-        network: e.network(),
-        traffic: e.traffic.clone(),
-        restore: Some(kept.dir.clone()),
-    };
+    let req = NewSandbox { restore: Some(kept.dir.clone()), ..like(&e, timeout) };
     let one = |n: u32| {
         let req = req.clone();
         async move {
@@ -141,4 +112,25 @@ async fn fork_memory(
             Err(err) => json!({"error": {"code": err.status.as_u16(), "message": err.message}}),
         })
         .collect())
+}
+
+/// A create of a sandbox like `e` (its template, image, limits, environment, metadata, network
+/// policy and lifecycle), for `timeout`.
+fn like(e: &crate::registry::LiveSandbox, timeout: Duration) -> NewSandbox {
+    NewSandbox {
+        tier: e.tier,
+        template: e.template.clone(),
+        image: e.image.clone(),
+        own_image: None,
+        lifecycle: e.lifecycle,
+        timeout,
+        metadata: e.metadata.clone(),
+        env_vars: e.env_vars.clone(),
+        cpu_count: e.cpu_count,
+        memory_mb: e.memory_mb,
+        disk_mb: e.disk_mb,
+        network: e.network(),
+        traffic: e.traffic.clone(),
+        restore: None,
+    }
 }
