@@ -354,23 +354,64 @@ def test_fork():
 
 
 @needs_runsc
+def runsc_processes(sid):
+    """Host pids of runsc processes that name sandbox `sid` (its sentry, gofer, runsc itself)."""
+    out = []
+    for p in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            cmd = open(p, "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if cmd and b"runsc" in cmd[0] and any(sid.encode() in a for a in cmd):
+            out.append(int(p.split("/")[2]))
+    return out
+
+
 def test_gvisor_pause_resume_and_fork():
     r = httpx.post(f"{API_URL}/sandboxes", headers=HEADERS, json={"templateID": "base", "tier": "gvisor", "timeout": 120}, timeout=60)
     assert r.status_code == 201, r.text
     sbx = Sandbox.connect(r.json()["sandboxID"])
+    sid = sbx.sandbox_id
     try:
         pid = sbx.commands.run("sleep 3600", background=True).pid
+        sbx.files.write("/tmp/index.html", "served from /tmp")
         sbx.commands.run("cd /tmp && python3 -m http.server 8000", background=True)
-        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
-        wait_http(BASE_URL + "/", headers)
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8000"}
+        wait_http(BASE_URL + "/index.html", headers)
+        # 64 MiB held by a process: what the running sandbox costs the host, and what must be
+        # back after the resume.
+        sbx.commands.run("python3 -c 'import time; b = bytearray(64 << 20); b[::4096] = b\"x\" * len(b[::4096]); open(\"/tmp/held\", \"w\").close(); time.sleep(3600)'", background=True)
+        for _ in range(300):
+            if sbx.files.exists("/tmp/held"):
+                break
+            time.sleep(0.1)
+        sbx.commands.run("sleep 3; echo done > /home/user/job", background=True)
+        assert host_memory_bytes(sid) >= 64 << 20
+        assert runsc_processes(sid), "a running gvisor sandbox is runsc processes on the host"
+
+        # With memory, to disk: runsc writes the sandbox's kernel, every runsc process exits
+        # and its memory is freed; the state is readable by the host only.
         assert sbx.pause()
         assert not sbx.is_running()
-        before = host_cpu_usec(sbx.sandbox_id)
-        time.sleep(1.0)
-        assert host_cpu_usec(sbx.sandbox_id) == before
+        assert httpx.get(f"{API_URL}/sandboxes/{sid}", headers=HEADERS).json()["pauseMode"] == "full"
+        assert runsc_processes(sid) == [], "a paused gvisor sandbox must not keep runsc running"
+        assert glob.glob(f"/sys/fs/cgroup/*/cordon/{sid}") + glob.glob(f"/sys/fs/cgroup/cordon/{sid}") == []
+        mem = f"{STATE_DIR}/paused/{sid}.mem"
+        assert os.stat(mem).st_mode & 0o077 == 0
+        assert sum(os.path.getsize(f) for f in glob.glob(f"{mem}/image/*")) > 0
+        assert httpx.get(BASE_URL + "/index.html", headers=headers).status_code == 502
+
         sbx.connect()
         assert sbx.commands.run(f"kill -0 {pid} && echo alive").stdout.strip() == "alive"
-        wait_http(BASE_URL + "/", headers)
+        assert wait_http(BASE_URL + "/index.html", headers).text == "served from /tmp", "a server started before the pause answers after it"
+        for _ in range(300):
+            if sbx.files.exists("/home/user/job"):
+                break
+            time.sleep(0.1)
+        assert sbx.files.read("/home/user/job").strip() == "done", "a background job must finish after the resume"
+        assert host_memory_bytes(sid) >= 64 << 20, "the held memory is back"
+        assert glob.glob(mem) == [], "the saved state goes with the resume"
+
         # To files: the writable layer through runsc's mount namespace. (gVisor's statx of this
         # release fails for GNU stat: Python reads the owners and modes.)
         sbx.files.write("/home/user/kept", "on gvisor")
@@ -393,6 +434,29 @@ def test_gvisor_pause_resume_and_fork():
     finally:
         sbx.kill()
     assert saved_state(sbx.sandbox_id) == []
+
+
+def test_a_gvisor_sandbox_with_a_network_policy_pauses_in_place():
+    """runsc cannot save host sockets: such a sandbox is frozen where it is, still paused with
+    its memory, using no CPU, and thawed by the resume."""
+    r = httpx.post(f"{API_URL}/sandboxes", headers=HEADERS, json={"templateID": "base", "tier": "gvisor", "timeout": 120, "network": {"allowOut": ["198.51.100.0/25"]}}, timeout=60)
+    assert r.status_code == 201, r.text
+    sbx = Sandbox.connect(r.json()["sandboxID"])
+    sid = sbx.sandbox_id
+    try:
+        pid = sbx.commands.run("sleep 3600", background=True).pid
+        running = runsc_processes(sid)
+        assert sbx.pause()
+        assert httpx.get(f"{API_URL}/sandboxes/{sid}", headers=HEADERS).json()["pauseMode"] == "full"
+        assert runsc_processes(sid) == running, "frozen in place: the same runsc processes"
+        assert not glob.glob(f"{STATE_DIR}/paused/{sid}.mem")
+        before = host_cpu_usec(sid)
+        time.sleep(1.0)
+        assert host_cpu_usec(sid) == before
+        sbx.connect()
+        assert sbx.commands.run(f"kill -0 {pid} && echo alive").stdout.strip() == "alive"
+    finally:
+        sbx.kill()
 
 
 class Server:

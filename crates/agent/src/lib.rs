@@ -27,7 +27,7 @@ mod files;
 mod filesystem;
 mod forward;
 mod http;
-mod park;
+pub mod park;
 mod process;
 mod process_rpc;
 mod pty;
@@ -189,6 +189,7 @@ pub enum LinkEnd {
 /// client of the sandbox, whose bytes reach the agent only as HTTP the host's proxy wrote,
 /// cannot send it.
 pub const PARK_REQUEST: &[u8; 16] = b"\0cordon-park-v1\n";
+pub use park::{await_parked, await_resume, PARKED, RESUME};
 
 /// An agent that outlives its link: the guest's PID 1 serves one session per host connection
 /// (a VM that is saved and restored gets a new one), with one process table throughout.
@@ -248,12 +249,47 @@ fn take_fd(fd: RawFd) -> std::io::Result<std::os::fd::OwnedFd> {
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(new) })
 }
 
+/// The two ends of the link as descriptors the agent keeps: a session's multiplexer runs on
+/// copies of them, and a parked agent reads and writes them directly.
+struct LinkFds {
+    read: std::os::fd::OwnedFd,
+    write: std::os::fd::OwnedFd,
+}
+
+impl LinkFds {
+    fn session(&self) -> std::io::Result<cordon_channel::FdLink> {
+        cordon_channel::FdLink::new(self.read.try_clone()?, self.write.try_clone()?)
+    }
+
+    /// Says it is parked and waits for the host's resume, blocking (see [`park`]).
+    fn park(&self) -> std::io::Result<()> {
+        use std::io::Write;
+        for fd in [&self.read, &self.write] {
+            blocking(fd)?;
+        }
+        std::fs::File::from(self.write.try_clone()?).write_all(PARKED)?;
+        await_resume(&mut std::fs::File::from(self.read.try_clone()?))
+    }
+}
+
+/// Clears `O_NONBLOCK`, which a session's multiplexer set on the link's file.
+fn blocking(fd: &std::os::fd::OwnedFd) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl with integer arguments on an open descriptor.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Opens the link. For `stdio`, descriptors 0 and 1 then point at /dev/null: the link lives on
 /// close-on-exec copies only.
-fn open_link(link: &Link) -> std::io::Result<cordon_channel::FdLink> {
+fn open_link(link: &Link) -> std::io::Result<LinkFds> {
     match link {
         Link::Stdio => {
-            let (r, w) = (take_fd(0)?, take_fd(1)?);
+            let (read, write) = (take_fd(0)?, take_fd(1)?);
             let null = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null")?;
             for fd in [0, 1] {
                 // SAFETY: dup2 onto the standard descriptors, whose old files live on in `r`/`w`.
@@ -261,18 +297,19 @@ fn open_link(link: &Link) -> std::io::Result<cordon_channel::FdLink> {
                     return Err(std::io::Error::last_os_error());
                 }
             }
-            cordon_channel::FdLink::new(r, w)
+            Ok(LinkFds { read, write })
         }
         Link::Fd(fd) => {
             let owned = take_fd(*fd)?;
             // SAFETY: close the original number; the link lives on in `owned`.
             unsafe { libc::close(*fd) };
-            cordon_channel::FdLink::duplex(owned)
+            Ok(LinkFds { write: owned.try_clone()?, read: owned })
         }
         Link::Device(path) => {
             use std::os::unix::fs::OpenOptionsExt;
             let f = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY).open(path)?;
-            cordon_channel::FdLink::duplex(f.into())
+            let owned = std::os::fd::OwnedFd::from(f);
+            Ok(LinkFds { write: owned.try_clone()?, read: owned })
         }
     }
 }
@@ -350,8 +387,15 @@ fn start() -> Result<(), StartError> {
     if let Some(link) = link {
         let link: Link = link.parse().map_err(StartError::BadLink)?;
         runtime.block_on(async move {
-            let link = open_link(&link)?;
-            serve_link(link, config).await
+            let fds = open_link(&link)?;
+            let agent = LinkAgent::start(config)?;
+            // One session per host connection; a parked agent keeps its processes while the
+            // sandbox is saved, and serves a new session once the host resumes it.
+            while agent.serve(fds.session()?).await? == LinkEnd::Parked {
+                let fds = LinkFds { read: fds.read.try_clone()?, write: fds.write.try_clone()? };
+                tokio::task::spawn_blocking(move || fds.park()).await.map_err(std::io::Error::other)??;
+            }
+            Ok::<(), std::io::Error>(())
         })?;
         return Ok(());
     }

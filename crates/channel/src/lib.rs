@@ -112,7 +112,7 @@ where
 /// Serves `listener` over `link` until the link closes: every accepted connection gets a stream
 /// of its own, spliced both ways. Must run inside a tokio runtime (it spawns one task per
 /// connection). Returns `Ok` when the agent closed the link, an error when it broke.
-pub async fn serve_unix<L>(link: L, listener: UnixListener) -> io::Result<()>
+pub async fn serve_unix<L>(link: L, listener: &UnixListener) -> io::Result<()>
 where
     L: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {

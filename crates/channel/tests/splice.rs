@@ -58,7 +58,7 @@ async fn many_connections_over_a_socketpair() {
     let socket = socket_path("pair");
     let listener = UnixListener::bind(&socket).unwrap();
     let agent = tokio::spawn(echo_agent(FdLink::duplex(a.into()).unwrap()));
-    let host = tokio::spawn(serve_unix(FdLink::duplex(h.into()).unwrap(), listener));
+    let host = tokio::spawn(async move { serve_unix(FdLink::duplex(h.into()).unwrap(), &listener).await });
     let clients: Vec<_> = (0..32).map(|i| {
         let socket = socket.clone();
         tokio::spawn(async move { round_trip(&socket, 1000 + i * 40_000).await })
@@ -90,7 +90,7 @@ async fn a_pair_of_pipes_is_a_link_too() {
     let socket = socket_path("pipes");
     let listener = UnixListener::bind(&socket).unwrap();
     tokio::spawn(echo_agent(FdLink::new(to_agent_r, from_agent_w).unwrap()));
-    let host = tokio::spawn(serve_unix(FdLink::new(from_agent_r, to_agent_w).unwrap(), listener));
+    let host = tokio::spawn(async move { serve_unix(FdLink::new(from_agent_r, to_agent_w).unwrap(), &listener).await });
     round_trip(&socket, 3_000_000).await;
     round_trip(&socket, 1).await;
     host.abort();
@@ -102,7 +102,7 @@ async fn streams_the_agent_opens_are_refused_and_the_host_ignores_them() {
     let (h, a) = std::os::unix::net::UnixStream::pair().unwrap();
     let socket = socket_path("hostile");
     let listener = UnixListener::bind(&socket).unwrap();
-    tokio::spawn(serve_unix(FdLink::duplex(h.into()).unwrap(), listener));
+    tokio::spawn(async move { serve_unix(FdLink::duplex(h.into()).unwrap(), &listener).await });
     let (opener, driver) = cordon_channel::host(FdLink::duplex(a.into()).unwrap());
     tokio::spawn(driver);
     let mut s = opener.open().await.unwrap();

@@ -21,7 +21,14 @@ pub fn diagnose(host: &Host) -> Diagnosis {
         Some(_) => crate::backend::open(host).map(|_| None).map_err(|e| e.to_string()),
         None => Err("see runsc above".into()),
     };
-    let pause = cordon_sandbox::diagnosis::pause(&cordon_host::Layout::detect(), crate::backend::CAPABILITIES.keep_writable);
+    let pause = match (platform, crate::launch::cp()) {
+        (Some(_), Ok(_)) => Finding::ok(
+            "pause",
+            "with memory, to disk: runsc checkpoint writes the sandbox's kernel and the writable layer is copied out, runsc exits and frees its RAM (pauseMode full); a sandbox with a network policy (host sockets, which runsc cannot save) is frozen in place instead; to files: the writable layer becomes a layer (pauseMode filesystem)",
+        ),
+        (_, Err(e)) => Finding::warn("pause", format!("with memory: frozen in place only ({e})"), "apt-get install coreutils"),
+        (None, _) => cordon_sandbox::diagnosis::pause(&cordon_host::Layout::detect(), crate::backend::CAPABILITIES.keep_writable),
+    };
     Diagnosis { findings: vec![finding, pause], verdict }
 }
 

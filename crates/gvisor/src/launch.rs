@@ -2,7 +2,10 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -28,6 +31,10 @@ pub struct Plan<'a> {
     /// A network namespace to run runsc in, with host networking (see `netns`); without one,
     /// runsc gets a new, empty namespace and no network at all.
     pub netns: Option<std::os::fd::RawFd>,
+    /// A sandbox saved by [`crate::Sandbox`]'s checkpoint: its writable layer is copied back
+    /// into the new tmpfs and runsc restores its kernel from the saved image instead of
+    /// starting the bundle's init.
+    pub restore: Option<&'a Path>,
 }
 
 pub struct Launched {
@@ -65,9 +72,25 @@ fn check(r: libc::c_int) -> io::Result<()> {
 pub const SHARED_TMP: &str = "tmp";
 pub const SHARED_SHM: &str = "shm";
 
-/// Starts `runsc run` with the agent's stdio on two pipes. In the child, before runsc runs: join
-/// the sandbox's cgroups, unshare a mount namespace and mount the root there, and enter the
-/// sandbox's network namespace (a new empty one when it has no egress policy).
+/// Where a saved sandbox keeps what the writable layer's tmpfs held (`upper`, `tmp`, `shm`),
+/// and runsc's checkpoint image, under the directory it was saved to.
+pub const SAVED_DISK: &str = "disk";
+pub const SAVED_IMAGE: &str = "image";
+
+/// The host's `cp`, which copies a saved writable layer with everything an overlay's upper
+/// directory holds (owners, modes, times, xattrs, whiteout devices, hard links, holes).
+pub fn cp() -> Result<PathBuf, GvisorError> {
+    ["/usr/bin/cp", "/bin/cp"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .ok_or_else(|| GvisorError::Unavailable("no cp in /usr/bin or /bin (coreutils) to save a sandbox's files with".into()))
+}
+
+/// Starts `runsc run` (or `runsc restore`) with the agent's stdio on two pipes. In the child,
+/// before runsc runs: join the sandbox's cgroups, unshare a mount namespace and mount the root
+/// there (with a saved writable layer copied back first), and enter the sandbox's network
+/// namespace (a new empty one when it has no egress policy).
 pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
     // Everything the child uses is allocated here: between fork and exec only syscalls run.
     let procs: Vec<CString> = plan.cgroup_procs.iter().map(|p| cstr(p)).collect::<Result<_, _>>()?;
@@ -101,6 +124,29 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
         plan.disk.join("work").display()
     )))?;
     let dir = cstr(plan.dir)?;
+    // A restore copies the saved layer into the new tmpfs with `cp -a`, run from the child
+    // (fork, exec, wait: syscalls only) because the tmpfs exists only in its mount namespace.
+    let copy_back: Option<(Vec<CString>, CString)> = match plan.restore {
+        Some(saved) => {
+            let cp = cstr(&cp()?)?;
+            let mut argv = vec![cp.clone(), CString::new("-a").expect("no NUL"), CString::new("--").expect("no NUL")];
+            for part in ["upper", SHARED_TMP, SHARED_SHM] {
+                argv.push(cstr(&saved.join(SAVED_DISK).join(part))?);
+            }
+            argv.push(disk.clone());
+            Some((argv, cp))
+        }
+        None => None,
+    };
+    let copy_argv: Vec<*const libc::c_char> = match &copy_back {
+        Some((argv, _)) => argv.iter().map(|a| a.as_ptr()).chain(std::iter::once(std::ptr::null())).collect(),
+        None => Vec::new(),
+    };
+    let copy_path = copy_back.as_ref().map(|(_, cp)| cp.as_ptr());
+    let copy_env: [*const libc::c_char; 1] = [std::ptr::null()];
+    // Raw pointers are not Send; the closure below runs in the forked child only.
+    let (copy_argv_addr, copy_env_addr) = (copy_argv.as_ptr() as usize, copy_env.as_ptr() as usize);
+    let copy_path_addr = copy_path.map(|p| p as usize);
 
     let (to_agent_r, to_agent_w) = pipe().map_err(crate::io_err("create pipe"))?;
     let (from_agent_r, from_agent_w) = pipe().map_err(crate::io_err("create pipe"))?;
@@ -117,7 +163,10 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
         .arg("--ignore-cgroups")
         // The root is cordon's overlay, with its disk cap: no second overlay inside gVisor.
         .arg("--overlay2=none")
-        .arg("run")
+        .args(match plan.restore {
+            Some(saved) => vec!["restore".to_string(), format!("--image-path={}", saved.join(SAVED_IMAGE).display())],
+            None => vec!["run".to_string()],
+        })
         .arg(format!("--bundle={}", plan.dir.display()))
         .arg(plan.id)
         .env_clear()
@@ -154,79 +203,239 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
                 libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOATIME,
                 disk_opts.as_ptr().cast(),
             ))?;
-            check(libc::mkdir(upper.as_ptr(), 0o755))?;
-            check(libc::mkdir(work.as_ptr(), 0o700))?;
-            for d in &shared {
-                check(libc::mkdir(d.as_ptr(), 0o1777))?;
-                // mkdir applies the umask: sticky and world-writable, as /tmp and /dev/shm are.
-                check(libc::chmod(d.as_ptr(), 0o1777))?;
+            match copy_path_addr {
+                Some(path) => run_and_wait(path as *const libc::c_char, copy_argv_addr as *const *const libc::c_char, copy_env_addr as *const *const libc::c_char)?,
+                None => {
+                    check(libc::mkdir(upper.as_ptr(), 0o755))?;
+                    for d in &shared {
+                        check(libc::mkdir(d.as_ptr(), 0o1777))?;
+                        // mkdir applies the umask: sticky and world-writable, as /tmp and /dev/shm are.
+                        check(libc::chmod(d.as_ptr(), 0o1777))?;
+                    }
+                }
             }
+            check(libc::mkdir(work.as_ptr(), 0o700))?;
             check(libc::chdir(dir.as_ptr()))?;
             check(libc::mount(root_source.as_ptr(), rootfs.as_ptr(), overlay.as_ptr(), 0, ovl_opts.as_ptr().cast()))?;
             check(libc::chdir(root.as_ptr()))?;
             Ok(())
         });
     }
-    tracing::debug!(id = plan.id, platform = plan.platform, "spawning runsc run");
+    tracing::debug!(id = plan.id, platform = plan.platform, restore = plan.restore.is_some(), "spawning runsc");
     let child = cmd.spawn().map_err(|e| {
         GvisorError::Setup(format!("start {} in the sandbox's namespaces: {e}", plan.runsc.display()))
     })?;
+    // Kept alive until the child has exec'd (spawn returns after that).
+    drop((copy_argv, copy_back));
     let pidfd = cordon_host::sys::pidfd_open(child.id() as i32).map_err(crate::io_err("pidfd_open runsc"))?;
     Ok(Launched { child, pidfd, from_agent: from_agent_r, to_agent: to_agent_w })
 }
 
-/// The thread serving the agent's socket from its link.
+/// Runs a program to completion from a forked child before its exec: fork, execve, waitpid,
+/// nothing that allocates or locks.
+///
+/// # Safety
+/// `path`, `argv` and `envp` must point at NUL-terminated strings and NULL-terminated arrays
+/// that live until this returns.
+unsafe fn run_and_wait(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> io::Result<()> {
+    // SAFETY: the caller is a single-threaded child after fork; the grandchild only execs.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if pid == 0 {
+        // SAFETY: pointers valid per this function's contract.
+        unsafe {
+            libc::execve(path, argv, envp);
+            libc::_exit(127);
+        }
+    }
+    let mut status = 0;
+    loop {
+        // SAFETY: waits for the child just forked.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if r == pid {
+            break;
+        }
+        if r < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+        Ok(())
+    } else {
+        // Reported by spawn (no allocation here: EIO stands for "the copy failed").
+        Err(io::Error::from_raw_os_error(libc::EIO))
+    }
+}
+
+/// The thread serving the agent's socket from its link, and the means to park the agent.
 pub struct LinkThread {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Set before the agent is asked to park: the session's end is then a park.
+    parking: Arc<AtomicBool>,
+    parked: mpsc::Receiver<io::Result<()>>,
+    /// A send wakes a parked agent; dropping it ends the thread instead.
+    wake: Option<mpsc::SyncSender<()>>,
 }
 
+/// How long an agent may take to park once asked.
+const PARK_DEADLINE: Duration = Duration::from_secs(10);
+
 impl LinkThread {
+    /// Asks the agent to park its link (see `cordon_agent::park`) through `socket` and waits
+    /// until it has: its processes go on, nothing reaches it until [`LinkThread::wake`].
+    pub fn park(&self, socket: &Path) -> Result<(), GvisorError> {
+        use std::io::Write;
+        self.parking.store(true, Ordering::SeqCst);
+        let asked = std::os::unix::net::UnixStream::connect(socket).and_then(|mut s| s.write_all(cordon_agent::PARK_REQUEST).map(|()| s));
+        let said = match asked {
+            Ok(_conn) => self.parked.recv_timeout(PARK_DEADLINE + Duration::from_secs(1)).unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
+            Err(e) => Err(e),
+        };
+        said.map_err(|e| {
+            self.parking.store(false, Ordering::SeqCst);
+            GvisorError::Setup(format!("the agent did not park its link: {e}"))
+        })
+    }
+
+    /// Lets a parked agent serve again.
+    pub fn wake(&self) -> Result<(), GvisorError> {
+        self.parking.store(false, Ordering::SeqCst);
+        self.wake.as_ref().and_then(|w| w.send(()).ok()).ok_or_else(|| GvisorError::Setup("the sandbox's link is gone".into()))
+    }
+
     /// Stops serving and waits for the thread (live connections are dropped).
     pub fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
+        // A thread waiting to wake a parked agent hears that it never will.
+        self.wake = None;
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
+/// What goes first on the link, before the channel.
+pub enum Opening {
+    /// A new agent: its configuration, which it reads from its stdin before it serves.
+    Config(Vec<u8>),
+    /// A restored agent, parked when it was saved: the resume marker.
+    Resume,
+}
+
 /// Serves `listener` over the agent's pipes on a thread of its own (one small runtime per
-/// sandbox: the link must keep moving whatever the caller's runtime does).
-/// `config` goes out first, before the channel: the agent reads it from its stdin (the far end
-/// of `to_agent`) and only then starts serving.
-pub fn serve_link(
-    from_agent: OwnedFd,
-    to_agent: OwnedFd,
-    listener: std::os::unix::net::UnixListener,
-    config: Vec<u8>,
-) -> Result<LinkThread, GvisorError> {
+/// sandbox: the link must keep moving whatever the caller's runtime does), one multiplexer
+/// session at a time: a session that ends because the agent was asked to park is followed by
+/// the agent's parked marker, and then, once woken, by the next session.
+pub fn serve_link(from_agent: OwnedFd, to_agent: OwnedFd, listener: std::os::unix::net::UnixListener, opening: Opening) -> Result<LinkThread, GvisorError> {
     listener.set_nonblocking(true).map_err(crate::io_err("agent socket"))?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let parking = Arc::new(AtomicBool::new(false));
+    let (parked_tx, parked) = mpsc::sync_channel(1);
+    let (wake, wake_rx) = mpsc::sync_channel::<()>(1);
+    let is_parking = parking.clone();
     let thread = std::thread::Builder::new()
         .name("gvisor-link".into())
         .spawn(move || {
-            use std::io::Write;
-            let mut to = std::fs::File::from(to_agent);
-            if let Err(e) = to.write_all(&config) {
-                tracing::debug!("sending the agent its configuration: {e}");
+            let first = match opening {
+                Opening::Config(c) => c,
+                Opening::Resume => cordon_agent::RESUME.to_vec(),
+            };
+            if let Err(e) = write_all_blocking(&to_agent, &first) {
+                tracing::debug!("opening the agent's link: {e}");
                 return;
             }
-            let to_agent = OwnedFd::from(to);
             let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_io().build() else { return };
-            rt.block_on(async move {
-                let (link, listener) = match (cordon_channel::FdLink::new(from_agent, to_agent), tokio::net::UnixListener::from_std(listener)) {
-                    (Ok(l), Ok(s)) => (l, s),
-                    _ => return,
-                };
-                tokio::select! {
-                    r = cordon_channel::serve_unix(link, listener) => tracing::debug!("agent link ended: {r:?}"),
-                    _ = stopped => {}
+            let Ok(listener) = rt.block_on(async { tokio::net::UnixListener::from_std(listener) }) else { return };
+            loop {
+                let ended = rt.block_on(async {
+                    let link = match (from_agent.try_clone(), to_agent.try_clone()) {
+                        (Ok(r), Ok(w)) => cordon_channel::FdLink::new(r, w)?,
+                        (Err(e), _) | (_, Err(e)) => return Err(e),
+                    };
+                    tokio::select! {
+                        r = cordon_channel::serve_unix(link, &listener) => r.map(|()| true),
+                        _ = &mut stopped => Ok(false),
+                    }
+                });
+                match ended {
+                    Ok(true) if is_parking.load(Ordering::SeqCst) => {}
+                    Ok(true) | Ok(false) => return,
+                    Err(e) => {
+                        tracing::debug!("agent link ended: {e}");
+                        return;
+                    }
                 }
-            });
+                let r = await_parked_within(&from_agent, PARK_DEADLINE);
+                let ok = r.is_ok();
+                let _ = parked_tx.send(r);
+                if !ok || wake_rx.recv().is_err() {
+                    return;
+                }
+                if let Err(e) = write_all_blocking(&to_agent, cordon_agent::RESUME) {
+                    tracing::debug!("waking the agent: {e}");
+                    return;
+                }
+            }
         })
         .map_err(crate::io_err("start the link thread"))?;
-    Ok(LinkThread { stop: Some(stop), thread: Some(thread) })
+    Ok(LinkThread { stop: Some(stop), thread: Some(thread), parking, parked, wake: Some(wake) })
+}
+
+/// Writes all of `buf` to a pipe that a session's multiplexer may have made non-blocking.
+fn write_all_blocking(fd: &OwnedFd, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        wait_for(fd, libc::POLLOUT, Duration::from_secs(10))?;
+        // SAFETY: a valid buffer of the given length and an open descriptor.
+        let n = unsafe { libc::write(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) {
+                continue;
+            }
+            return Err(e);
+        }
+        buf = &buf[n as usize..];
+    }
+    Ok(())
+}
+
+/// Waits until `fd` is ready for `events`, or fails after `timeout`.
+fn wait_for(fd: &OwnedFd, events: libc::c_short, timeout: Duration) -> io::Result<()> {
+    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events, revents: 0 };
+    // SAFETY: one valid pollfd for the duration of the call.
+    match unsafe { libc::poll(&mut p, 1, timeout.as_millis().min(i32::MAX as u128) as i32) } {
+        0 => Err(io::ErrorKind::TimedOut.into()),
+        n if n < 0 => Err(io::Error::last_os_error()),
+        _ => Ok(()),
+    }
+}
+
+/// The frames a parking agent still sends, up to its marker, read within `deadline`.
+fn await_parked_within(fd: &OwnedFd, deadline: Duration) -> io::Result<()> {
+    struct Patient<'a> {
+        fd: &'a OwnedFd,
+        until: std::time::Instant,
+    }
+    impl io::Read for Patient<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            loop {
+                wait_for(self.fd, libc::POLLIN, self.until.saturating_duration_since(std::time::Instant::now()))?;
+                // SAFETY: a valid buffer of the given length and an open descriptor.
+                let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+                if n >= 0 {
+                    return Ok(n as usize);
+                }
+                let e = io::Error::last_os_error();
+                if !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    cordon_agent::await_parked(&mut Patient { fd, until: std::time::Instant::now() + deadline })
 }

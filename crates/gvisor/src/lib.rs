@@ -82,6 +82,9 @@ pub struct SandboxConfig {
     /// Egress: a TUN interface whose descriptor the caller takes with [`Sandbox::take_tun`]
     /// and serves; without it the sandbox has gVisor's loopback only.
     pub tun: bool,
+    /// Start from a sandbox saved by [`Sandbox::checkpoint`] into this directory, with every
+    /// process and its memory, instead of a fresh agent.
+    pub restore: Option<PathBuf>,
 }
 
 /// The tier on this host: runsc, the platform, the state directory.
@@ -145,8 +148,25 @@ impl Gvisor {
             pidfd: None,
             link: None,
             tun: None,
+            networked: cfg.tun,
+            runsc: self.runsc.path.clone(),
+            key: self.key(&cfg.layers),
             torn_down: false,
         };
+        if let Some(saved) = &cfg.restore {
+            if cfg.tun {
+                return Err(GvisorError::Setup("a saved gvisor sandbox has no network policy: restore it without one".into()));
+            }
+            let kept = fs::read_to_string(saved.join(SAVED_KEY)).map_err(io_err(format!("read {}", saved.join(SAVED_KEY).display())))?;
+            if kept != sb.key {
+                return Err(GvisorError::Setup(format!(
+                    "the saved sandbox in {} was made by another runsc, platform or image ({}); this host has {}: it cannot be restored here",
+                    saved.display(),
+                    kept.lines().next().unwrap_or("?"),
+                    self.runsc.version
+                )));
+            }
+        }
         // From here on, dropping `sb` on any error undoes every step taken so far.
         sb.write_record()?;
         let mut host_limits = cfg.limits.clone();
@@ -193,17 +213,36 @@ impl Gvisor {
             disk_bytes: cfg.limits.disk_bytes,
             cgroup_procs: sb.cgroup.procs_files(),
             netns: netns.as_ref().map(|n| n.ns.as_raw_fd()),
+            restore: cfg.restore.as_deref(),
         };
         let launched = launch::spawn(&plan)?;
         // runsc holds the namespace now; the host keeps only the TUN device.
         sb.tun = netns.map(|n| n.tun);
         sb.pidfd = Some(launched.pidfd);
         sb.child = Some(launched.child);
-        sb.link = Some(launch::serve_link(launched.from_agent, launched.to_agent, listener, cfg.agent_config.clone())?);
+        let opening = match cfg.restore {
+            Some(_) => launch::Opening::Resume,
+            None => launch::Opening::Config(cfg.agent_config.clone()),
+        };
+        sb.link = Some(launch::serve_link(launched.from_agent, launched.to_agent, listener, opening)?);
         sb.write_record()?;
         sb.wait_ready()?;
         tracing::debug!(id = %cfg.id, elapsed = ?started.elapsed(), platform = %self.platform, "gvisor sandbox ready");
         Ok(sb)
+    }
+}
+
+/// What a saved sandbox must be restored with: the runsc that saved it, its platform and its
+/// image's layers (gVisor reopens the sandbox's files by path).
+const SAVED_KEY: &str = "key";
+
+impl Gvisor {
+    fn key(&self, layers: &[PathBuf]) -> String {
+        let mut key = format!("{}\nplatform {}\n", self.runsc.version, self.platform);
+        for l in layers {
+            key.push_str(&format!("layer {}\n", l.display()));
+        }
+        key
     }
 }
 
@@ -218,6 +257,11 @@ pub struct Sandbox {
     pidfd: Option<OwnedFd>,
     link: Option<launch::LinkThread>,
     tun: Option<OwnedFd>,
+    /// Made with an egress policy: runsc runs with host networking, which it cannot save.
+    networked: bool,
+    runsc: PathBuf,
+    /// What a saved copy must be restored with (see [`SAVED_KEY`]).
+    key: String,
     torn_down: bool,
 }
 
@@ -246,6 +290,90 @@ impl Sandbox {
         let text = fs::read_to_string(self.entry.dir().join("runsc.log")).unwrap_or_default();
         let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
         lines[lines.len().saturating_sub(3)..].join(" / ")
+    }
+
+    /// Whether [`Sandbox::checkpoint`] can save it: not with host networking (an egress
+    /// policy), whose sockets are the host's and cannot be written to a file.
+    pub fn checkpointable(&self) -> bool {
+        !self.networked && self.link.is_some()
+    }
+
+    /// Runs `runsc <args> <id>` on this sandbox's runsc state, in its network namespace: runsc
+    /// reaches the sandbox through an abstract socket, which only that namespace sees.
+    fn runsc_cmd(&self, args: &[&str]) -> Result<(), GvisorError> {
+        use std::os::unix::process::CommandExt;
+        let pid = self.host_pid().ok_or_else(|| GvisorError::Setup("the sandbox is not running".into()))?;
+        let netns = fs::File::open(format!("/proc/{pid}/ns/net")).map_err(io_err("open the sandbox's network namespace"))?;
+        let ns = netns.as_raw_fd();
+        let mut cmd = std::process::Command::new(&self.runsc);
+        cmd.arg(format!("--root={}", self.entry.dir().join("runsc").display())).args(args).arg(&self.id).stdin(std::process::Stdio::null());
+        // SAFETY: one syscall on a descriptor opened above, between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || if libc::setns(ns, libc::CLONE_NEWNET) == 0 { Ok(()) } else { Err(io::Error::last_os_error()) });
+        }
+        let out = cmd.output().map_err(io_err(format!("run {}", self.runsc.display())))?;
+        drop(netns);
+        if out.status.success() {
+            return Ok(());
+        }
+        let said = String::from_utf8_lossy(&out.stderr);
+        Err(GvisorError::Setup(format!("runsc {}: {}", args[0], said.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("failed"))))
+    }
+
+    /// Saves the running sandbox, every process and its memory, into `dir` (made here, 0700)
+    /// for a [`SandboxConfig::restore`]: the agent parks its link, runsc pauses the sandbox,
+    /// the writable layer (root, /tmp, /dev/shm) is copied out while nothing runs, and runsc
+    /// writes its kernel's state. The sandbox is left paused, to be destroyed (a pause). On any
+    /// error `dir` is removed and the sandbox goes on running.
+    pub fn checkpoint(&mut self, dir: &Path) -> Result<(), GvisorError> {
+        if self.networked {
+            return Err(GvisorError::Setup("a gvisor sandbox with a network policy runs on the host's sockets, which runsc cannot save".into()));
+        }
+        let pid = self.host_pid().ok_or_else(|| GvisorError::Setup("the sandbox is not running".into()))?;
+        let cp = launch::cp()?;
+        std::os::unix::fs::DirBuilderExt::mode(&mut fs::DirBuilder::new(), 0o700).create(dir).map_err(io_err(format!("create {}", dir.display())))?;
+        let t = Instant::now();
+        let link = self.link.as_ref().ok_or_else(|| GvisorError::Setup("this sandbox has no agent link to park".into()))?;
+        if let Err(e) = link.park(&self.socket) {
+            let _ = fs::remove_dir_all(dir);
+            return Err(e);
+        }
+        let mut paused = false;
+        let saved = (|| {
+            self.runsc_cmd(&["pause"])?;
+            paused = true;
+            let disk = dir.join(launch::SAVED_DISK);
+            fs::create_dir(&disk).map_err(io_err("create the saved disk's directory"))?;
+            let live = PathBuf::from(format!("/proc/{pid}/root{}", self.entry.dir().join("disk").display()));
+            let out = std::process::Command::new(&cp)
+                .arg("-a")
+                .arg("--")
+                .args(["upper", launch::SHARED_TMP, launch::SHARED_SHM].map(|p| live.join(p)))
+                .arg(&disk)
+                .stdin(std::process::Stdio::null())
+                .output()
+                .map_err(io_err("copy the writable layer"))?;
+            if !out.status.success() {
+                return Err(GvisorError::Setup(format!("copy the writable layer: {}", String::from_utf8_lossy(&out.stderr).trim())));
+            }
+            let image = dir.join(launch::SAVED_IMAGE);
+            fs::create_dir(&image).map_err(io_err("create the saved image's directory"))?;
+            self.runsc_cmd(&["checkpoint", &format!("--image-path={}", image.display())])?;
+            fs::write(dir.join(SAVED_KEY), &self.key).map_err(io_err("write the saved sandbox's key"))
+        })();
+        match &saved {
+            Ok(()) => tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "gvisor sandbox saved"),
+            Err(_) => {
+                let _ = fs::remove_dir_all(dir);
+                if paused {
+                    let _ = self.runsc_cmd(&["resume"]);
+                }
+                if let Some(link) = &self.link {
+                    let _ = link.wake();
+                }
+            }
+        }
+        saved
     }
 
     /// Waits until the agent answers `/health` through the link, or fails with runsc's reason.
@@ -312,6 +440,19 @@ impl HostSandbox for Sandbox {
     fn disk_usage(&self) -> Option<(u64, u64)> {
         let pid = self.host_pid()?;
         cordon_host::sys::disk_usage(Path::new(&format!("/proc/{pid}/root{}", self.entry.dir().join("disk").display())))
+    }
+
+    fn checkpointable(&self) -> bool {
+        Sandbox::checkpointable(self)
+    }
+
+    /// Saves it for a pause; a running copy (a fork's source) is not kept on this tier: its
+    /// forks and snapshots take its files.
+    fn checkpoint(&mut self, dir: &Path, keep_running: bool) -> Result<(), cordon_sandbox::Error> {
+        if keep_running {
+            return Err(cordon_sandbox::Error::Unavailable("the gvisor tier saves a sandbox's memory only to pause it".into()));
+        }
+        Sandbox::checkpoint(self, dir).map_err(|e| cordon_sandbox::Error::failed("save the gvisor sandbox", e))
     }
 
     /// Kills the sandbox and removes its processes, cgroups and files. Idempotent.

@@ -36,6 +36,14 @@ pub trait HostSandbox: Send {
     fn writable_layer(&self) -> Option<crate::WritableLayer> {
         None
     }
+    /// Whether [`HostSandbox::checkpoint`] can save this sandbox.
+    fn checkpointable(&self) -> bool {
+        false
+    }
+    /// Saves it with its processes and memory (see [`Sandbox::checkpoint`]).
+    fn checkpoint(&mut self, _dir: &Path, _keep_running: bool) -> Result<(), Error> {
+        Err(Error::Unavailable("this tier cannot save a running sandbox to disk".into()))
+    }
 }
 
 /// A tier's handle with its forwarder and its image's start command.
@@ -104,6 +112,14 @@ impl<S: HostSandbox> Sandbox for HostBacked<S> {
 
     fn writable_layer(&self) -> Option<crate::WritableLayer> {
         self.sandbox.writable_layer()
+    }
+
+    fn checkpointable(&self) -> bool {
+        self.sandbox.checkpointable()
+    }
+
+    fn checkpoint(&mut self, dir: &Path, keep_running: bool) -> Result<(), Error> {
+        self.sandbox.checkpoint(dir, keep_running)
     }
 
     fn freeze(&self, on: bool) -> Result<(), Error> {

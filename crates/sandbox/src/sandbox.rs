@@ -101,6 +101,12 @@ pub trait Sandbox: Send {
     fn checkpoint(&mut self, _dir: &Path, _keep_running: bool) -> Result<(), Error> {
         Err(Error::Unavailable("this tier cannot save a running sandbox to disk".into()))
     }
+    /// Whether [`Sandbox::checkpoint`] can save this sandbox (a tier with
+    /// [`crate::Capabilities::checkpoint`] may still not save some of its sandboxes: gvisor
+    /// with host networking); a pause with memory then freezes it in place where the tier can.
+    fn checkpointable(&self) -> bool {
+        false
+    }
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), Error>;
 }

@@ -4,8 +4,9 @@
 //!   can ([`cordon_sandbox::Capabilities::freeze`]): no instruction runs, its memory stays
 //!   resident and counted against its cap, its deadline stops; a resume thaws it, and with
 //!   `autoResume` any request to it does. On a tier that saves a running sandbox to disk
-//!   instead ([`cordon_sandbox::Capabilities::checkpoint`], the vm tier: QEMU writes the guest's
-//!   memory and devices to a file and exits), its processes and memory go to
+//!   instead ([`cordon_sandbox::Capabilities::checkpoint`]: the vm tier, where QEMU writes the
+//!   guest's memory and devices to a file and exits; the gvisor tier, where runsc writes its
+//!   kernel's state and exits), its processes and memory go to
 //!   `<state>/paused/<id>.mem` and all of its RAM is freed; a resume restores it (same
 //!   processes, same `boot_id`), also after a restart of the server;
 //! - to its files (`filesystem`): its writable layer becomes a layer of the store, every
@@ -120,7 +121,9 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
         return Err(already_paused(id));
     }
     let caps = sandboxes.capabilities(e.tier);
-    if memory && !caps.freeze && caps.checkpoint {
+    // Saved to disk where the tier can save this sandbox (the VM's memory, gVisor's kernel),
+    // which frees its memory; else frozen in place.
+    if memory && caps.checkpoint && e.with_instance(false, |i| i.checkpointable()) {
         let saved = sandboxes.saved.as_ref().ok_or_else(|| unsupported("this server keeps no state: it cannot save a sandbox's memory to disk".into()))?;
         saved.check_budget(e.memory_current().unwrap_or(0) + e.disk_usage().map_or(0, |(used, _)| used))?;
         // The data plane answers as for a paused sandbox from now on (and an autoResume

@@ -365,11 +365,13 @@ impl Sandboxes {
         if let Some(fd) = death {
             // A sandbox that dies by itself (OOM of its init, a kill from outside) leaves the
             // registry at once.
-            let (sandboxes, id) = (Arc::downgrade(self), entry.id.clone());
+            // Only this entry: after a pause to disk and a quick resume, a new sandbox of the
+            // same id may be listed by the time this one's old process is reaped.
+            let (sandboxes, this) = (Arc::downgrade(self), Arc::downgrade(&entry));
             tokio::spawn(async move {
                 if cordon_sandbox::lifecycle::died(fd).await {
-                    if let Some(s) = sandboxes.upgrade() {
-                        s.remove(&id, "sandbox init exited").await;
+                    if let (Some(s), Some(this)) = (sandboxes.upgrade(), this.upgrade()) {
+                        s.remove_this(&this, "sandbox init exited").await;
                     }
                 }
             });
@@ -404,6 +406,20 @@ impl Sandboxes {
 
     /// Takes a sandbox out of service at once (the data plane answers 502 from now on), then
     /// destroys it. False when it was not live.
+    /// Removes and destroys `entry` if it is still the one listed under its id.
+    pub async fn remove_this(&self, entry: &Arc<LiveSandbox>, reason: &str) -> bool {
+        {
+            let mut list = self.write();
+            if !list.get(&entry.id).is_some_and(|now| Arc::ptr_eq(now, entry)) {
+                return false;
+            }
+            list.remove(&entry.id);
+        }
+        self.destroy(entry).await;
+        tracing::info!(sandbox = %entry.id, reason, "sandbox destroyed");
+        true
+    }
+
     pub async fn remove(&self, id: &str, reason: &str) -> bool {
         let Some(entry) = self.write().remove(id) else { return false };
         self.destroy(&entry).await;

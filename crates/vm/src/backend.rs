@@ -83,6 +83,10 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.vm.accel().slowdown()
     }
 
+    fn checkpointable(&self) -> bool {
+        true
+    }
+
     fn checkpoint(&mut self, dir: &Path, keep_running: bool) -> Result<(), Error> {
         self.vm.save(dir, keep_running).map(drop).map_err(vm_err("save the VM"))
     }

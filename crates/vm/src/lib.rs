@@ -621,7 +621,7 @@ fn serve_link(host_end: &std::os::unix::net::UnixStream, listener: &std::os::uni
         end.set_nonblocking(true)?;
         let link = cordon_channel::FdLink::duplex(OwnedFd::from(end))?;
         let listener = tokio::net::UnixListener::from_std(listener)?;
-        cordon_channel::serve_unix(link, listener).await
+        cordon_channel::serve_unix(link, &listener).await
     })
 }
 

@@ -14,18 +14,11 @@
 //! host could have sent it, and a restored one reads it in a state saved long before: either
 //! way only a fresh answer sets the guest's clock right. A restored guest said `R` before its
 //! snapshot was taken, so the host sends its config without waiting for it.
-
 //!
 //! A running guest can also be parked and resumed (a pause, a fork: the VM is saved while
-//! parked):
-//! 1. host: a stream beginning with [`cordon_agent::PARK_REQUEST`] over the multiplexer;
-//! 2. guest: closes the multiplexer (its last frame is whole), then [`PARKED`];
-//! 3. host: reads frames up to [`PARKED`] ([`await_parked`]); the VM may now be saved, and the
-//!    saved VM restored any number of times;
-//! 4. host, on whichever link the guest now has: [`RESUME`], then the config as in step 2 above
-//!    (a fork's own hostname and seed; the agent's processes are kept either way), then the
-//!    time as in steps 3 and 4. The guest skips whatever it reads before [`RESUME`]: bytes the
-//!    host's multiplexer sent after the guest closed its own.
+//! parked), as `cordon_agent::park` describes; on a wake the host follows [`RESUME`] with the
+//! config as in step 2 above (a fork's own hostname and seed; the agent's processes are kept
+//! either way), then the time as in steps 3 and 4.
 
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
@@ -35,13 +28,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// Largest config accepted: bounds what a broken host side could make the guest allocate.
 const MAX: usize = 1 << 20;
 pub const READY: u8 = b'R';
-/// The guest's "parked": shaped like a multiplexer frame header (12 bytes) whose version byte
-/// no yamux frame has, so the host finds it by reading frame by frame.
-pub const PARKED: &[u8; 12] = b"\xffcordon-park";
-/// The host's "resuming": searched for byte by byte, since what precedes it may end mid-frame.
-pub const RESUME: &[u8; 32] = b"\xffcordon:resume:2f9c41d7e8a6b35\xff\xff";
-/// Most bytes of frames a parking guest may still send before [`PARKED`].
-const PARK_SLACK: u64 = 64 << 20;
+pub use cordon_agent::{await_parked, PARKED, RESUME};
 pub const TIME: u8 = b'T';
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -85,28 +72,6 @@ pub fn send(link: &mut (impl Read + Write), cfg: &GuestConfig) -> io::Result<()>
     link.write_all(&t)
 }
 
-/// Host: reads the frames a parking guest still sends, up to its [`PARKED`].
-pub fn await_parked(link: &mut impl Read) -> io::Result<()> {
-    let mut skipped = 0u64;
-    loop {
-        let mut h = [0u8; 12];
-        link.read_exact(&mut h)?;
-        if &h == PARKED {
-            return Ok(());
-        }
-        if h[0] != 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "the guest sent neither a frame nor its parked marker"));
-        }
-        // Only data frames (type 0) carry a body, of the header's length.
-        let body = if h[1] == 0 { u32::from_be_bytes(h[8..12].try_into().expect("4 bytes")) as u64 } else { 0 };
-        skipped += 12 + body;
-        if skipped > PARK_SLACK {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "the guest kept sending instead of parking"));
-        }
-        io::copy(&mut link.take(body), &mut io::sink())?;
-    }
-}
-
 /// Host: wakes a parked guest (restored or not) with `cfg` and the time.
 pub fn resume(link: &mut (impl Read + Write), cfg: &GuestConfig) -> io::Result<()> {
     link.write_all(RESUME)?;
@@ -119,29 +84,7 @@ pub fn park(fd: &OwnedFd) -> io::Result<(GuestConfig, SystemTime)> {
     blocking(fd)?;
     let mut f = FdReader(fd);
     f.write_all(PARKED)?;
-    let mut window = [0u8; RESUME.len()];
-    let mut filled = 0usize;
-    let mut b = [0u8; 1];
-    loop {
-        match f.read(&mut b) {
-            // No host connected (between the old VMM and the restored one).
-            Ok(0) => std::thread::sleep(Duration::from_millis(5)),
-            Ok(_) => {
-                if filled < window.len() {
-                    window[filled] = b[0];
-                    filled += 1;
-                } else {
-                    window.copy_within(1.., 0);
-                    window[RESUME.len() - 1] = b[0];
-                }
-                if filled == window.len() && &window == RESUME {
-                    break;
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
+    cordon_agent::await_resume(&mut f)?;
     finish(fd)
 }
 

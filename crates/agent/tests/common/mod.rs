@@ -110,7 +110,7 @@ async fn start_agent_on(linked: bool, tweak: impl FnOnce(&mut AgentConfig)) -> T
             }
         });
         tokio::spawn(async move {
-            if let Err(e) = cordon_channel::serve_unix(host, listener).await {
+            if let Err(e) = cordon_channel::serve_unix(host, &listener).await {
                 panic!("host end of the link stopped: {e}");
             }
         });
