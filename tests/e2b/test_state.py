@@ -523,6 +523,33 @@ def test_a_filesystem_paused_sandbox_survives_a_restart():
         srv.stop()
 
 
+def test_a_gvisor_sandbox_paused_with_memory_survives_a_restart():
+    srv = Server()
+    srv.start()
+    try:
+        r = srv.api("POST", "/sandboxes", json={"templateID": "base", "tier": "gvisor", "timeout": 120})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        sbx = Sandbox.connect(sid, **srv.sdk())
+        pid = sbx.commands.run("sleep 3600", background=True).pid
+        sbx.files.write("/tmp/across", "the restart")
+        assert sbx.pause()
+        srv.stop(signal.SIGKILL)
+        srv.start()
+        raw = srv.api("GET", f"/sandboxes/{sid}").json()
+        assert (raw["state"], raw["pauseMode"]) == ("paused", "full"), raw
+        again = Sandbox.connect(sid, **srv.sdk())
+        assert again.commands.run(f"kill -0 {pid} && echo alive").stdout.strip() == "alive"
+        assert again.files.read("/tmp/across") == "the restart"
+        assert again.pause()
+        srv.stop()
+        srv.start()
+        assert Sandbox.kill(sid, **srv.sdk()) is True
+        assert saved_state(sid) + glob.glob(f"{STATE_DIR}/paused/{sid}.mem") == []
+    finally:
+        srv.stop()
+
+
 def _kill_mid(srv, request, delay):
     """Sends `request` to the second server and SIGKILLs it `delay` seconds later."""
     t = threading.Thread(target=lambda: _ignore(request), daemon=True)

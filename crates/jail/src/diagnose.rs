@@ -16,6 +16,7 @@ pub fn diagnose(host: &Host) -> Diagnosis {
     out.push(seccomp());
     out.push(landlock());
     out.push(cordon_sandbox::diagnosis::pause(&cordon_host::Layout::detect(), crate::backend::CAPABILITIES.keep_writable));
+    out.push(criu());
     Diagnosis::from_checks(out, || crate::backend::open(host).map(|_| None).map_err(|e| e.to_string()))
 }
 
@@ -117,5 +118,48 @@ fn probe_unshare(flags: libc::c_int) -> bool {
         let mut status = 0;
         libc::waitpid(pid, &mut status, 0);
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+    }
+}
+
+/// Whether CRIU could write an ns sandbox to disk here. It only informs: ns pauses with memory
+/// freeze in place either way, and the finding says which applies and why.
+fn criu() -> Finding {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let Some(path) = ["/usr/sbin/criu", "/sbin/criu", "/usr/bin/criu"].into_iter().find(|p| std::path::Path::new(p).is_file()) else {
+        return Finding::ok("criu", "not installed: ns pauses with memory freeze in place, in memory");
+    };
+    let version = Command::new(path).arg("--version").output().ok().map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim_start_matches("Version:").trim().to_string()).unwrap_or_default();
+    let version = format!("criu {version}");
+    let child = Command::new(path).arg("check").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn();
+    let verdict = match child {
+        Err(e) => Err(e.to_string()),
+        Ok(mut c) => {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                match c.try_wait() {
+                    Ok(Some(st)) => {
+                        let mut err = String::new();
+                        if let Some(mut e) = c.stderr.take() {
+                            use std::io::Read;
+                            let _ = e.read_to_string(&mut err);
+                        }
+                        let first = err.lines().find(|l| l.contains("Error")).unwrap_or("").to_string();
+                        break if st.success() { Ok(()) } else { Err(first.split("): ").last().unwrap_or(&first).trim().to_string()) };
+                    }
+                    Ok(None) if Instant::now() > deadline => {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        break Err("no answer within 10 s".into());
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                    Err(e) => break Err(e.to_string()),
+                }
+            }
+        }
+    };
+    match verdict {
+        Ok(()) => Finding::ok("criu", format!("{version} passes `criu check`, but cordon does not write ns sandboxes to disk with it yet: ns pauses with memory freeze in place")),
+        Err(why) => Finding::ok("criu", format!("{version}: `criu check` fails on this kernel ({why}): ns pauses with memory freeze in place, in memory")),
     }
 }
