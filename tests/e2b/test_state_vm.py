@@ -225,6 +225,8 @@ def test_a_vm_paused_with_memory_survives_a_restart_and_a_kill_mid_pause():
             assert kept(sid) == []
         Sandbox.kill(sid, **srv.sdk())
         assert kept(sid) == []
+        # The killed server's VM, if its pause was cut short, was reaped when the new one started.
+        assert cgroups(sid) == []
         # Saved memory that no record names (a pause cut short) is gone after the restart.
         assert [p for p in glob.glob(f"{STATE_DIR}/paused/*.mem") if not os.path.exists(p[: -len(".mem")] + ".json")] == []
     finally:

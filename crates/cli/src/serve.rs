@@ -138,7 +138,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     tiers.backend(cordon_spec::Tier::Ns).map_err(|e| usage(e.to_string()))?;
     // The other tiers are opened now too where the host can run them, so that what a crashed
     // server left of them is reaped at start; the ones it cannot run are refused per create.
-    for t in [cordon_spec::Tier::Gvisor] {
+    for t in [cordon_spec::Tier::Gvisor, cordon_spec::Tier::Vm] {
         if let Err(e) = tiers.backend(t) {
             tracing::info!(tier = %t, "tier not available: {e}");
         }
