@@ -34,7 +34,7 @@ def create_vm(api=API_URL, **body):
 
 def kept(sid):
     """Everything the server keeps of `sid` on disk, its saved memory included."""
-    return saved_state(sid) + glob.glob(f"{STATE_DIR}/paused/{sid}.mem")
+    return saved_state(sid) + glob.glob(f"{STATE_DIR}/paused/{sid}.mem") + glob.glob(f"{STATE_DIR}/paused/{sid}.disk")
 
 
 def cgroups(sid):
@@ -100,6 +100,40 @@ def test_vm_memory_pause_frees_the_vmm_and_resumes_the_same_guest():
     finally:
         sbx.kill()
     assert kept(sid) == [], "a killed paused sandbox must leave nothing on disk"
+    assert cgroups(sid) == []
+
+
+def test_vm_filesystem_pause_keeps_the_disk_and_boots_afresh():
+    sid = create_vm()
+    sbx = Sandbox.connect(sid)
+    try:
+        pid = sbx.commands.run("sleep 3600", background=True).pid
+        sbx.files.write("/home/user/kept", "on the vm")
+        sbx.commands.run("echo r > /opt/r && chmod 600 /opt/r && rm -f /etc/motd", user="root")
+        probe = "python3 -c \"import os; [print(p, oct(os.stat(p).st_mode), os.stat(p).st_uid) for p in ('/home/user/kept', '/opt/r')]\""
+        before = sbx.commands.run(probe).stdout
+        boot = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+        assert sbx.pause(mode="filesystem") is True
+        raw = httpx.get(f"{API_URL}/sandboxes/{sid}", headers=HEADERS).json()
+        assert (raw["state"], raw["pauseMode"]) == ("paused", "filesystem"), raw
+        # The VMM is gone; the guest's disk is kept whole, readable by the host only.
+        assert cgroups(sid) == []
+        disk = f"{STATE_DIR}/paused/{sid}.disk"
+        assert os.stat(disk).st_mode & 0o077 == 0
+        assert glob.glob(f"{STATE_DIR}/paused/{sid}.mem") == []
+        # Only a connect wakes it.
+        assert not sbx.is_running()
+        sbx.connect()
+        assert sbx.commands.run(probe).stdout == before, "files, owners and modes survive"
+        assert sbx.files.read("/home/user/kept") == "on the vm"
+        assert not sbx.files.exists("/etc/motd")
+        assert sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout != boot, "a files-only resume is a fresh boot"
+        assert alive(sbx, pid) == "gone"
+        assert glob.glob(disk) == [], "the kept disk goes with the resume"
+        assert sbx.pause(mode="filesystem") is True
+    finally:
+        sbx.kill()
+    assert kept(sid) == []
     assert cgroups(sid) == []
 
 

@@ -210,6 +210,7 @@ impl Executor {
             // The step keeps its writable layer where the builder says (create_build).
             keep_writable: false,
             restore: None,
+            disk_from: None,
         };
         let created = {
             let _enter = self.rt.enter();

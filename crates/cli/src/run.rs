@@ -136,6 +136,7 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         audit: true,
         keep_writable: false,
         restore: None,
+        disk_from: None,
     };
     spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
     Ok(spec)

@@ -28,6 +28,10 @@ pub struct Capabilities {
     /// ([`Sandbox::checkpoint`]) and started again from there (`SandboxSpec::restore`): a pause
     /// that frees its memory, a fork that copies its processes.
     pub checkpoint: bool,
+    /// A sandbox's writable disk can be kept whole ([`Sandbox::keep_disk`]) and a sandbox
+    /// started afresh on it (`SandboxSpec::disk_from`): a files-only pause on a tier whose
+    /// files the host must not read itself (a VM's disk image, written by its guest kernel).
+    pub keep_disk: bool,
 }
 
 impl Capabilities {
@@ -46,6 +50,9 @@ impl Capabilities {
     pub fn check_restore(&self, tier: Tier, spec: &SandboxSpec) -> Result<(), Error> {
         if spec.restore.is_some() && !self.checkpoint {
             return Err(Error::Unavailable(format!("the {tier} tier cannot start a sandbox from a saved one's memory")));
+        }
+        if spec.disk_from.is_some() && !self.keep_disk {
+            return Err(Error::Unavailable(format!("the {tier} tier cannot start a sandbox on a kept disk")));
         }
         Ok(())
     }

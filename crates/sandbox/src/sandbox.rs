@@ -101,6 +101,13 @@ pub trait Sandbox: Send {
     fn checkpoint(&mut self, _dir: &Path, _keep_running: bool) -> Result<(), Error> {
         Err(Error::Unavailable("this tier cannot save a running sandbox to disk".into()))
     }
+    /// Keeps the sandbox's writable disk whole in `dir` (which it creates), for a create with
+    /// `SandboxSpec::disk_from`: its files, not its processes. The sandbox is left stopped, to
+    /// be destroyed; on an error nothing is left in `dir` and it runs on. Blocking. Tiers
+    /// without [`crate::Capabilities::keep_disk`] refuse.
+    fn keep_disk(&mut self, _dir: &Path) -> Result<(), Error> {
+        Err(Error::Unavailable("this tier cannot keep a sandbox's disk".into()))
+    }
     /// Whether [`Sandbox::checkpoint`] can save this sandbox (a tier with
     /// [`crate::Capabilities::checkpoint`] may still not save some of its sandboxes: gvisor
     /// with host networking); a pause with memory then freezes it in place where the tier can.

@@ -320,6 +320,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             network,
             traffic,
             restore,
+            disk_from: None,
             },
             who,
         )

@@ -132,5 +132,6 @@ fn like(e: &crate::registry::LiveSandbox, timeout: Duration) -> NewSandbox {
         network: e.network(),
         traffic: e.traffic.clone(),
         restore: None,
+        disk_from: None,
     }
 }

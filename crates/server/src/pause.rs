@@ -11,7 +11,9 @@
 //!   processes, same `boot_id`), also after a restart of the server;
 //! - to its files (`filesystem`): its writable layer becomes a layer of the store, every
 //!   process ends and all its memory is freed ([`crate::saved`]); a resume (a `connect`) starts
-//!   a fresh sandbox on those files with the same id and tokens.
+//!   a fresh sandbox on those files with the same id and tokens. A tier whose files the host
+//!   must not read (a VM's disk, written by its guest's kernel) keeps the whole disk instead
+//!   (`<state>/paused/<id>.disk`), and the resume boots afresh on a copy of it.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -155,6 +157,23 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
         return Ok(());
     }
     let saved = sandboxes.saved.as_ref().ok_or_else(|| unsupported("this server keeps no state: it cannot pause a sandbox to its files".into()))?;
+    if caps.keep_disk {
+        // The whole disk is kept (a VM's, which the host never mounts); the sandbox ends.
+        saved.check_budget(e.disk_usage().map_or(e.disk_mb << 20, |(used, _)| used))?;
+        e.set_frozen(Some(SystemTime::now()));
+        let record = match saved.pause_keeping_disk(&e).await {
+            Ok(r) => r,
+            Err(err) => {
+                e.set_frozen(None);
+                return Err(err);
+            }
+        };
+        if let Some(gone) = sandboxes.take(id) {
+            sandboxes.destroy(&gone).await;
+        }
+        tracing::info!(sandbox = %id, auto, mode = "filesystem", kept = ?record.disk, "sandbox paused to its disk");
+        return Ok(());
+    }
     if !caps.keep_writable || !e.with_instance(false, |i| i.writable_layer().is_some()) {
         return Err(unsupported(format!("the {} tier cannot keep a sandbox's files yet: pause it with its memory, or kill it", e.tier)));
     }
@@ -203,6 +222,7 @@ pub async fn resume(sandboxes: &Arc<Sandboxes>, id: &str, timeout: Duration) -> 
     let record = saved.take(id).ok_or_else(|| not_found(id))?;
     let mut req = record.new_sandbox(timeout);
     req.restore = saved.memory_dir(&record);
+    req.disk_from = saved.disk_dir(&record);
     let who = Identity { id: record.id.clone(), token: record.token.clone(), traffic_token: record.traffic_token.clone() };
     match sandboxes.create_as(req, who).await {
         Ok(e) => {

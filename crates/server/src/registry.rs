@@ -163,6 +163,8 @@ pub struct NewSandbox {
     pub traffic: crate::traffic::Traffic,
     /// Start from a sandbox saved with its memory (see `SandboxSpec::restore`).
     pub restore: Option<PathBuf>,
+    /// Start afresh on a disk kept by a files-only pause (see `SandboxSpec::disk_from`).
+    pub disk_from: Option<PathBuf>,
 }
 
 /// Who a sandbox is: new ones get fresh ids and tokens, a resumed one keeps its own.
@@ -297,6 +299,7 @@ impl Sandboxes {
             audit: true,
             keep_writable,
             restore: req.restore.clone(),
+            disk_from: req.disk_from.clone(),
             ..Default::default()
         };
         let started = Instant::now();

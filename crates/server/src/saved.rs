@@ -59,6 +59,11 @@ pub struct Record {
     /// to, restored by a resume. `image` is then its template's, not its own.
     #[serde(default)]
     pub memory: Option<String>,
+    /// Paused to its files on a tier that keeps its whole disk (`Sandbox::keep_disk`): the
+    /// directory (in `<state>/paused`) the disk was kept in, which a resume boots afresh on.
+    /// `image` is then its template's, as with `memory`.
+    #[serde(default)]
+    pub disk: Option<String>,
 }
 
 impl Record {
@@ -68,7 +73,7 @@ impl Record {
             tier: self.tier,
             template: self.template.clone(),
             image: self.image.clone(),
-            own_image: self.memory.is_none().then(|| self.image.clone()),
+            own_image: (self.memory.is_none() && self.disk.is_none()).then(|| self.image.clone()),
             lifecycle: self.lifecycle,
             timeout,
             metadata: self.metadata.clone(),
@@ -79,6 +84,7 @@ impl Record {
             network: self.network.clone(),
             traffic: crate::traffic::Traffic { public: self.public_traffic, mask_host: self.mask_host.clone() },
             restore: None,
+            disk_from: None,
         }
     }
 
@@ -88,6 +94,11 @@ impl Record {
 
     pub fn paused_at(&self) -> SystemTime {
         UNIX_EPOCH + Duration::from_millis(self.paused_unix_ms)
+    }
+
+    /// The directory in `<state>/paused` it keeps: its saved memory or its kept disk.
+    pub fn kept_dir_name(&self) -> Option<&str> {
+        self.memory.as_deref().or(self.disk.as_deref())
     }
 
     /// How it was paused, as the API says it.
@@ -140,7 +151,8 @@ impl Saved {
                     if r.id == id
                         && crate::routes::valid_id(id)
                         && store.get(&r.image).is_ok()
-                        && r.memory.as_ref().is_none_or(|m| valid_memory_dir(m, id) && dir.join(m).is_dir()) =>
+                        && r.memory.as_ref().is_none_or(|m| valid_kept_dir(m, id, MEMORY_SUFFIX) && dir.join(m).is_dir())
+                        && r.disk.as_ref().is_none_or(|d| valid_kept_dir(d, id, DISK_SUFFIX) && dir.join(d).is_dir()) =>
                 {
                     records.insert(r.id.clone(), Arc::new(r));
                 }
@@ -154,7 +166,7 @@ impl Saved {
         // Memory saved by a pause whose record was never written (a server killed half-way).
         for entry in fs::read_dir(&dir).map_err(io(format!("list {}", dir.display())))?.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if entry.path().is_dir() && !records.values().any(|r: &Arc<Record>| r.memory.as_deref() == Some(name.as_str())) {
+            if entry.path().is_dir() && !records.values().any(|r: &Arc<Record>| r.kept_dir_name() == Some(name.as_str())) {
                 tracing::info!(dir = %entry.path().display(), "deleting a saved memory no paused sandbox names (left by a server that stopped half-way)");
                 let _ = fs::remove_dir_all(entry.path());
             }
@@ -218,10 +230,20 @@ impl Saved {
         r.memory.as_ref().map(|m| self.dir.join(m))
     }
 
+    /// Where a record's kept disk is.
+    pub fn disk_dir(&self, r: &Record) -> Option<PathBuf> {
+        r.disk.as_ref().map(|d| self.dir.join(d))
+    }
+
+    /// Where whatever a record keeps in a directory of its own is (memory or disk).
+    fn kept_dir(&self, r: &Record) -> Option<PathBuf> {
+        r.kept_dir_name().map(|m| self.dir.join(m))
+    }
+
     /// Deletes what a paused sandbox kept (its record is taken already): its saved memory, or
     /// its image and the layers only it named.
     async fn drop_kept(&self, r: &Record) {
-        match self.memory_dir(r) {
+        match self.kept_dir(r) {
             Some(dir) => {
                 let _ = tokio::task::spawn_blocking(move || fs::remove_dir_all(dir)).await;
             }
@@ -232,7 +254,7 @@ impl Saved {
     /// Deletes a resumed sandbox's record, and its saved memory (the sandbox runs on a copy).
     pub async fn forget_resumed(&self, r: &Record) {
         self.forget(&r.id);
-        if let Some(dir) = self.memory_dir(r) {
+        if let Some(dir) = self.kept_dir(r) {
             let _ = tokio::task::spawn_blocking(move || fs::remove_dir_all(dir)).await;
         }
     }
@@ -254,7 +276,7 @@ impl Saved {
             if let Some(r) = self.take(&id) {
                 self.forget(&id);
                 tracing::info!(sandbox = %id, "paused sandbox deleted: paused for longer than --paused-ttl");
-                match self.memory_dir(&r) {
+                match self.kept_dir(&r) {
                     Some(dir) => {
                         let _ = fs::remove_dir_all(dir);
                     }
@@ -404,22 +426,43 @@ impl Saved {
     /// `<state>/paused/<id>.mem`, then its record is written. The sandbox is left stopped, to be
     /// destroyed; on an error it runs on and nothing is kept.
     pub async fn pause_with_memory(&self, e: &Arc<LiveSandbox>) -> Result<Arc<Record>, ApiError> {
+        self.pause_into(e, MEMORY_SUFFIX, |i, at| i.checkpoint(at, false), "save the sandbox with its memory", |r, name| r.memory = Some(name)).await
+    }
+
+    /// Pauses a running sandbox to its files on a tier that keeps its whole disk
+    /// ([`cordon_sandbox::Capabilities::keep_disk`]): the disk goes to `<state>/paused/<id>.disk`,
+    /// then the record is written. Left stopped, or running on after an error, as above.
+    pub async fn pause_keeping_disk(&self, e: &Arc<LiveSandbox>) -> Result<Arc<Record>, ApiError> {
+        self.pause_into(e, DISK_SUFFIX, |i, at| i.keep_disk(at), "keep the sandbox's disk", |r, name| r.disk = Some(name)).await
+    }
+
+    /// The shape of both pauses above: the tier writes `<state>/paused/<id><suffix>` with
+    /// `keep` (on a blocking thread, the instance taken out meanwhile), then the record that
+    /// names it (`name_it`) appears by one rename. Nothing is kept on an error.
+    async fn pause_into(
+        &self,
+        e: &Arc<LiveSandbox>,
+        suffix: &str,
+        keep: fn(&mut dyn cordon_sandbox::Sandbox, &std::path::Path) -> Result<(), cordon_sandbox::Error>,
+        what: &str,
+        name_it: fn(&mut Record, String),
+    ) -> Result<Arc<Record>, ApiError> {
         let now = SystemTime::now();
-        let name = format!("{}.mem", e.id);
+        let name = format!("{}{suffix}", e.id);
         let dir = self.dir.join(&name);
         let _ = fs::remove_dir_all(&dir);
         let mut instance = e.take_instance().ok_or_else(|| ApiError::not_found(format!("sandbox {} not found", e.id)))?;
         let at = dir.clone();
-        let (instance, saved) = tokio::task::spawn_blocking(move || {
-            let r = instance.checkpoint(&at, false);
+        let (instance, kept) = tokio::task::spawn_blocking(move || {
+            let r = keep(instance.as_mut(), &at);
             (instance, r)
         })
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?;
         e.put_instance(instance);
-        saved.map_err(|err| ApiError::internal(format!("cannot save the sandbox with its memory: {err}")))?;
+        kept.map_err(|err| ApiError::internal(format!("cannot {what}: {err}")))?;
         let mut record = record_of(e, e.image.clone(), now);
-        record.memory = Some(name);
+        name_it(&mut record, name);
         if let Err(err) = self.write_record(&record) {
             let _ = fs::remove_dir_all(&dir);
             return Err(err);
@@ -485,9 +528,13 @@ impl Drop for KeptMemory {
     }
 }
 
-/// A saved memory's directory name: `<id>.mem`, nothing else (it is joined to a path).
-fn valid_memory_dir(name: &str, id: &str) -> bool {
-    name.strip_suffix(".mem") == Some(id)
+/// The names of the directories a paused sandbox keeps: `<id>.mem` (memory), `<id>.disk`.
+const MEMORY_SUFFIX: &str = ".mem";
+const DISK_SUFFIX: &str = ".disk";
+
+/// A kept directory's name: `<id><suffix>`, nothing else (it is joined to a path).
+fn valid_kept_dir(name: &str, id: &str, suffix: &str) -> bool {
+    name.strip_suffix(suffix) == Some(id)
 }
 
 /// Bytes a directory's files take on disk (sparse files count what they hold).
@@ -518,6 +565,7 @@ fn record_of(e: &LiveSandbox, image: String, now: SystemTime) -> Record {
         started_unix_ms: unix_ms(e.started_at),
         paused_unix_ms: unix_ms(now),
         memory: None,
+        disk: None,
     }
 }
 

@@ -115,6 +115,10 @@ pub struct SandboxSpec {
     /// can start many.
     #[serde(default)]
     pub restore: Option<std::path::PathBuf>,
+    /// Start afresh on a writable disk kept whole by a files-only pause (`Sandbox::keep_disk`)
+    /// in this directory: its files, none of its processes. Only read, as `restore` is.
+    #[serde(default)]
+    pub disk_from: Option<std::path::PathBuf>,
 }
 
 fn default_user() -> String {
@@ -136,6 +140,7 @@ impl Default for SandboxSpec {
             audit: false,
             keep_writable: false,
             restore: None,
+            disk_from: None,
         }
     }
 }

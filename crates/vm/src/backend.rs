@@ -12,7 +12,7 @@ use crate::{VmError, VmTier};
 
 /// What vm sandboxes support: no egress forwarder yet, no host syscall audit (the guest kernel
 /// answers), and the OOM count is the guest's (a round trip through the agent).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, keep_disk: true };
 
 /// The tier table's row for vm.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -91,6 +91,10 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.vm.save(dir, keep_running).map(drop).map_err(vm_err("save the VM"))
     }
 
+    fn keep_disk(&mut self, dir: &Path) -> Result<(), Error> {
+        self.vm.keep_disk(dir).map_err(vm_err("keep the VM's disk"))
+    }
+
     fn destroy(&mut self) -> Result<(), Error> {
         self.vm.destroy().map_err(|e| Error::failed("teardown", e))
     }
@@ -115,6 +119,7 @@ impl Backend for VmBackend {
 
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
         CAPABILITIES.check_network(Tier::Vm, &spec.network)?;
+        CAPABILITIES.check_restore(Tier::Vm, spec)?;
         let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
         let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
         spec.validate()?;
@@ -125,9 +130,10 @@ impl Backend for VmBackend {
             limits: spec.limits.clone(),
             agent: cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref()),
         };
-        let vm = match &spec.restore {
-            Some(dir) => self.tier.restore(&cfg, &prep, dir).map_err(vm_err("restore the saved VM"))?,
-            None => self.tier.create(&cfg, &prep).map_err(vm_err("create the VM"))?,
+        let vm = match (&spec.restore, &spec.disk_from) {
+            (Some(dir), _) => self.tier.restore(&cfg, &prep, dir).map_err(vm_err("restore the saved VM"))?,
+            (None, Some(dir)) => self.tier.create_on(&cfg, &prep, dir).map_err(vm_err("start the VM on its kept disk"))?,
+            (None, None) => self.tier.create(&cfg, &prep).map_err(vm_err("create the VM"))?,
         };
         Ok(Box::new(VmSandbox { vm, start: image.meta.start.clone(), _pin: pin }))
     }

@@ -13,7 +13,7 @@ pub fn diagnose(host: &Host) -> Diagnosis {
         mkfs(),
         Finding::ok(
             "pause",
-            "with memory, to disk: the guest's memory and devices to a file by QEMU migration, the VMM exits and frees its RAM (pauseMode full); snapshots and forks keep memory too; no files-only pause",
+            "with memory, to disk: the guest's memory and devices to a file by QEMU migration, the VMM exits and frees its RAM (pauseMode full); snapshots and forks keep memory too; to files: the guest syncs, its whole disk image is kept (never mounted by the host) and a resume boots afresh on it (pauseMode filesystem)",
         ),
     ];
     let tier = match VmTier::open(&host.state_dir, host.exe.clone()) {

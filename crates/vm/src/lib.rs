@@ -257,6 +257,21 @@ impl VmTier {
         self.boot(cfg, prep, Start::Resume(saved))
     }
 
+    /// Boots a VM afresh on the writable disk [`Vm::keep_disk`] kept in `dir` (a resume of a
+    /// files-only pause): its files, a new boot. `dir` is only read.
+    pub fn create_on(&self, cfg: &VmConfig, prep: &Prepared, dir: &Path) -> Result<Vm, VmError> {
+        cfg.limits.validate().map_err(|e| VmError::BadRequest(e.to_string()))?;
+        let kept = dir.join(KEPT_DISK);
+        let size = fs::metadata(&kept).map_err(io_err(format!("read {}", kept.display())))?.len();
+        if size != cfg.limits.disk_bytes {
+            return Err(VmError::BadRequest(format!(
+                "the kept disk is {size} bytes and this sandbox's disk cap {} bytes: resume it with the disk size it was paused with",
+                cfg.limits.disk_bytes
+            )));
+        }
+        self.boot(cfg, prep, Start::ColdOn(dir.to_path_buf()))
+    }
+
     /// What a saved VM must match to be restored: its VMM arguments and host files, as a
     /// snapshot's name is made.
     fn boot_key(&self, cfg: &VmConfig, prep: &Prepared) -> Result<String, VmError> {
@@ -278,6 +293,10 @@ impl VmTier {
             }
             Start::Resume(saved) => {
                 disk::copy_sparse(&saved.rw(), &rw).map_err(io_err("copy the saved VM's writable layer"))?;
+                disk::hand_to(&rw, uid)?;
+            }
+            Start::ColdOn(kept) => {
+                disk::copy_sparse(&kept.join(KEPT_DISK), &rw).map_err(io_err("copy the kept writable disk"))?;
                 disk::hand_to(&rw, uid)?;
             }
             Start::Cold | Start::Template => disk::writable_layer(&rw, cfg.limits.disk_bytes, uid)?,
@@ -425,7 +444,7 @@ impl VmTier {
 /// needs for it (a snapshot's state, a template's monitor) added to `plan` and kept in `passed`.
 fn start_handshake(cfg: &VmConfig, start: Start, plan: &mut jailer::Plan, spec: &mut vmm::BootSpec, passed: &mut Vec<OwnedFd>) -> Result<Handshake, VmError> {
     Ok(match start {
-        Start::Cold => Handshake::Fresh(guest_config(cfg)?),
+        Start::Cold | Start::ColdOn(_) => Handshake::Fresh(guest_config(cfg)?),
         Start::Restore(snap) => {
             tracing::debug!(id = %cfg.id, snapshot = %snap.dir.display(), "restoring the VM from a snapshot");
             let state = fs::File::open(snap.state()).map_err(io_err("open the snapshot's state"))?;
@@ -446,6 +465,9 @@ fn start_handshake(cfg: &VmConfig, start: Start, plan: &mut jailer::Plan, spec: 
     })
 }
 
+/// The writable disk [`Vm::keep_disk`] keeps, in its directory.
+const KEPT_DISK: &str = "rw.ext4";
+
 /// Descriptor numbers inside the VMM: the agent link, the snapshot's state, the monitor.
 const CHANNEL_FD: i32 = 3;
 const STATE_FD: i32 = 4;
@@ -459,6 +481,8 @@ enum Start {
     Restore(snapshot::Snapshot),
     /// From a saved running VM ([`Vm::save`]), whose guest waits, parked, to be woken.
     Resume(Saved),
+    /// From the kernel up, on a writable disk kept by [`Vm::keep_disk`].
+    ColdOn(PathBuf),
     /// As a template: boots cold, and its state is saved through its monitor once the guest
     /// asks for its config.
     Template,
@@ -751,6 +775,62 @@ impl Vm {
             self.wake()?;
         }
         written.map(|()| saved)
+    }
+
+    /// Keeps the VM's writable disk whole in `dir` (made here, 0700) for [`VmTier::create_on`]:
+    /// the guest flushes its filesystems (`sync` through the agent), the VMM stops its CPUs,
+    /// and the disk image is copied, sparse. The host never mounts it: the guest's kernel is
+    /// the only one that reads what the guest wrote. The VM is left stopped, to be destroyed;
+    /// on any error `dir` is removed and the VM goes on running.
+    pub fn keep_disk(&mut self, dir: &Path) -> Result<(), VmError> {
+        std::os::unix::fs::DirBuilderExt::mode(&mut fs::DirBuilder::new(), 0o700).create(dir).map_err(io_err(format!("create {}", dir.display())))?;
+        let t = Instant::now();
+        let mut stopped = false;
+        let kept = (|| {
+            self.guest_sync()?;
+            self.qmp()?.execute("stop", serde_json::json!({})).map_err(io_err("stop the VM"))?;
+            stopped = true;
+            disk::copy_sparse(&self.entry.dir().join("rw.ext4"), &dir.join(KEPT_DISK)).map_err(io_err("keep the VM's writable disk"))
+        })();
+        match &kept {
+            Ok(()) => tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "VM disk kept"),
+            Err(_) => {
+                let _ = fs::remove_dir_all(dir);
+                if stopped {
+                    let _ = self.qmp().and_then(|q| q.execute("cont", serde_json::json!({})).map_err(io_err("let the VM run again")));
+                }
+            }
+        }
+        kept
+    }
+
+    /// Runs `sync` in the guest as root, through the agent, and waits for it.
+    fn guest_sync(&self) -> Result<(), VmError> {
+        let socket = self.socket.clone();
+        let deadline = Duration::from_secs(60) * self.accel.slowdown().max(1);
+        let ran = std::thread::spawn(move || -> Result<(), String> {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let client = cordon_envd::EnvdClient::new(socket);
+                let req = cordon_envd::process::StartRequest {
+                    process: Some(cordon_envd::process::ProcessConfig { cmd: "/bin/sync".into(), args: Vec::new(), envs: Default::default(), cwd: None }),
+                    pty: None,
+                    tag: None,
+                    stdin: Some(false),
+                };
+                let run = async {
+                    let stream = client.start(req, Some("root"), None).await.map_err(|e| e.to_string())?;
+                    stream.collect().await.map_err(|e| e.to_string())
+                };
+                match tokio::time::timeout(deadline, run).await {
+                    Ok(Ok(out)) if out.end.as_ref().is_some_and(|e| e.exited && e.exit_code == 0) => Ok(()),
+                    Ok(Ok(out)) => Err(format!("sync did not succeed: {}", String::from_utf8_lossy(&out.stderr).trim())),
+                    Ok(Err(e)) => Err(e),
+                    Err(_) => Err(format!("no answer within {deadline:?}")),
+                }
+            })
+        });
+        ran.join().map_err(|_| VmError::Boot("the guest sync thread panicked".into()))?.map_err(|e| VmError::Boot(format!("flush the guest's files: {e}")))
     }
 
     /// Asks the agent to park its link and waits until it has.
