@@ -24,7 +24,7 @@ pub fn diagnose(host: &Host) -> Diagnosis {
     let pause = match (platform, crate::launch::cp()) {
         (Some(_), Ok(_)) => Finding::ok(
             "pause",
-            "with memory, to disk: runsc checkpoint writes the sandbox's kernel and the writable layer is copied out, runsc exits and frees its RAM (pauseMode full); a sandbox with a network policy (host sockets, which runsc cannot save) is frozen in place instead; to files: the writable layer becomes a layer (pauseMode filesystem)",
+            "with memory, to disk: runsc checkpoint writes the sandbox's kernel and ends it, freeing its RAM, and the writable layer is copied out (pauseMode full); a sandbox with a network policy (host sockets, which runsc cannot save) is frozen in place instead; to files: the writable layer becomes a layer (pauseMode filesystem)",
         ),
         (_, Err(e)) => Finding::warn("pause", format!("with memory: frozen in place only ({e})"), "apt-get install coreutils"),
         (None, _) => cordon_sandbox::diagnosis::pause(&cordon_host::Layout::detect(), crate::backend::CAPABILITIES.keep_writable),

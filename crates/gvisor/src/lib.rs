@@ -321,16 +321,24 @@ impl Sandbox {
     }
 
     /// Saves the running sandbox, every process and its memory, into `dir` (made here, 0700)
-    /// for a [`SandboxConfig::restore`]: the agent parks its link, runsc pauses the sandbox,
-    /// the writable layer (root, /tmp, /dev/shm) is copied out while nothing runs, and runsc
-    /// writes its kernel's state. The sandbox is left paused, to be destroyed (a pause). On any
-    /// error `dir` is removed and the sandbox goes on running.
+    /// for a [`SandboxConfig::restore`]: the agent parks its link, runsc writes its kernel's
+    /// state and ends the sandbox, and the writable layer (root, /tmp, /dev/shm) is then copied
+    /// out of the sandbox's mount namespace, held open for this, exactly as the saved kernel
+    /// last saw it. Before the save, an error leaves the sandbox running and nothing in `dir`;
+    /// after it (the copy failed) the sandbox has ended, and the error says so.
     pub fn checkpoint(&mut self, dir: &Path) -> Result<(), GvisorError> {
         if self.networked {
             return Err(GvisorError::Setup("a gvisor sandbox with a network policy runs on the host's sockets, which runsc cannot save".into()));
         }
         let pid = self.host_pid().ok_or_else(|| GvisorError::Setup("the sandbox is not running".into()))?;
         let cp = launch::cp()?;
+        // The tmpfs lives as long as its mount namespace, which this keeps past runsc's exit.
+        let mnt = fs::File::open(format!("/proc/{pid}/ns/mnt")).map_err(io_err("open the sandbox's mount namespace"))?;
+        let used = self.disk_usage().map_or(0, |(used, _)| used);
+        let free = cordon_host::sys::disk_usage(dir.parent().unwrap_or(dir)).map_or(u64::MAX, |(used, total)| total.saturating_sub(used));
+        if used >= free {
+            return Err(GvisorError::Setup(format!("the sandbox's files take {used} bytes and {} has {free} free: free some space", dir.display())));
+        }
         std::os::unix::fs::DirBuilderExt::mode(&mut fs::DirBuilder::new(), 0o700).create(dir).map_err(io_err(format!("create {}", dir.display())))?;
         let t = Instant::now();
         let link = self.link.as_ref().ok_or_else(|| GvisorError::Setup("this sandbox has no agent link to park".into()))?;
@@ -338,42 +346,54 @@ impl Sandbox {
             let _ = fs::remove_dir_all(dir);
             return Err(e);
         }
-        let mut paused = false;
-        let saved = (|| {
-            self.runsc_cmd(&["pause"])?;
-            paused = true;
+        tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "agent parked");
+        let image = dir.join(launch::SAVED_IMAGE);
+        let checkpointed = fs::create_dir(&image)
+            .map_err(io_err("create the saved image's directory"))
+            .and_then(|()| self.runsc_cmd(&["checkpoint", &format!("--image-path={}", image.display())]));
+        if let Err(e) = checkpointed {
+            let _ = fs::remove_dir_all(dir);
+            if let Some(link) = &self.link {
+                let _ = link.wake();
+            }
+            return Err(e);
+        }
+        tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "runsc checkpointed");
+        let copied = (|| {
             let disk = dir.join(launch::SAVED_DISK);
             fs::create_dir(&disk).map_err(io_err("create the saved disk's directory"))?;
-            let live = PathBuf::from(format!("/proc/{pid}/root{}", self.entry.dir().join("disk").display()));
-            let out = std::process::Command::new(&cp)
-                .arg("-a")
-                .arg("--")
-                .args(["upper", launch::SHARED_TMP, launch::SHARED_SHM].map(|p| live.join(p)))
-                .arg(&disk)
-                .stdin(std::process::Stdio::null())
-                .output()
-                .map_err(io_err("copy the writable layer"))?;
+            let live = self.entry.dir().join("disk");
+            let ns = mnt.as_raw_fd();
+            let mut cmd = std::process::Command::new(&cp);
+            cmd.arg("-a").arg("--").args(["upper", launch::SHARED_TMP, launch::SHARED_SHM].map(|p| live.join(p))).arg(&disk).stdin(std::process::Stdio::null());
+            // SAFETY: one syscall on a descriptor opened above, between fork and exec (the child
+            // is single-threaded, as entering a mount namespace requires).
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    if libc::setns(ns, libc::CLONE_NEWNS) == 0 {
+                        Ok(())
+                    } else {
+                        Err(io::Error::last_os_error())
+                    }
+                });
+            }
+            let out = cmd.output().map_err(io_err("copy the writable layer"))?;
             if !out.status.success() {
                 return Err(GvisorError::Setup(format!("copy the writable layer: {}", String::from_utf8_lossy(&out.stderr).trim())));
             }
-            let image = dir.join(launch::SAVED_IMAGE);
-            fs::create_dir(&image).map_err(io_err("create the saved image's directory"))?;
-            self.runsc_cmd(&["checkpoint", &format!("--image-path={}", image.display())])?;
             fs::write(dir.join(SAVED_KEY), &self.key).map_err(io_err("write the saved sandbox's key"))
         })();
-        match &saved {
-            Ok(()) => tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "gvisor sandbox saved"),
-            Err(_) => {
+        drop(mnt);
+        match copied {
+            Ok(()) => {
+                tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "gvisor sandbox saved");
+                Ok(())
+            }
+            Err(e) => {
                 let _ = fs::remove_dir_all(dir);
-                if paused {
-                    let _ = self.runsc_cmd(&["resume"]);
-                }
-                if let Some(link) = &self.link {
-                    let _ = link.wake();
-                }
+                Err(GvisorError::Setup(format!("the sandbox was saved but its files could not be kept, and it has ended: {e}")))
             }
         }
-        saved
     }
 
     /// Waits until the agent answers `/health` through the link, or fails with runsc's reason.

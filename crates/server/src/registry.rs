@@ -374,6 +374,9 @@ impl Sandboxes {
             tokio::spawn(async move {
                 if cordon_sandbox::lifecycle::died(fd).await {
                     if let (Some(s), Some(this)) = (sandboxes.upgrade(), this.upgrade()) {
+                        // After whatever transition is under way: a pause to disk ends the
+                        // sandbox's processes itself, and then takes the entry.
+                        let _turn = this.transition.lock().await;
                         s.remove_this(&this, "sandbox init exited").await;
                     }
                 }
