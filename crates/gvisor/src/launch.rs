@@ -3,13 +3,13 @@
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
-use std::time::Duration;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
 
 use crate::GvisorError;
 
@@ -222,8 +222,12 @@ pub fn spawn(plan: &Plan) -> Result<Launched, GvisorError> {
         });
     }
     tracing::debug!(id = plan.id, platform = plan.platform, restore = plan.restore.is_some(), "spawning runsc");
-    let child = cmd.spawn().map_err(|e| {
-        GvisorError::Setup(format!("start {} in the sandbox's namespaces: {e}", plan.runsc.display()))
+    let child = cmd.spawn().map_err(|e| match plan.restore {
+        // EIO is `run_and_wait`'s word for a failed copy.
+        Some(saved) if e.raw_os_error() == Some(libc::EIO) => {
+            GvisorError::Setup(format!("copy the saved sandbox's files back from {}: cp failed", saved.join(SAVED_DISK).display()))
+        }
+        _ => GvisorError::Setup(format!("start {} in the sandbox's namespaces: {e}", plan.runsc.display())),
     })?;
     // Kept alive until the child has exec'd (spawn returns after that).
     drop((copy_argv, copy_back));
