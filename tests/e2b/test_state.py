@@ -59,6 +59,17 @@ def host_memory_bytes(sid):
     return int(v2)
 
 
+def hold_64mib(sbx, marker):
+    """Starts a process that touches 64 MiB and keeps it; returns once it has (it then makes
+    `marker`). The wait is bounded by a deadline only: an emulated guest is slow."""
+    sbx.commands.run(f"python3 -c 'import time; b = bytearray(64 << 20); b[::4096] = b\"x\" * len(b[::4096]); open(\"{marker}\", \"w\").close(); time.sleep(3600)'", background=True)
+    for _ in range(600):
+        if sbx.files.exists(marker):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the process holding 64 MiB did not start ({marker} never appeared)")
+
+
 def saved_state(sid):
     """What the server keeps on disk of sandbox `sid`: its record and its images."""
     return glob.glob(f"{STATE_DIR}/paused/{sid}.json") + glob.glob(f"{STATE_DIR}/images/*-{sid}-*")
@@ -380,11 +391,7 @@ def test_gvisor_pause_resume_and_fork():
         wait_http(BASE_URL + "/index.html", headers)
         # 64 MiB held by a process: what the running sandbox costs the host, and what must be
         # back after the resume.
-        sbx.commands.run("python3 -c 'import time; b = bytearray(64 << 20); b[::4096] = b\"x\" * len(b[::4096]); open(\"/tmp/held\", \"w\").close(); time.sleep(3600)'", background=True)
-        for _ in range(300):
-            if sbx.files.exists("/tmp/held"):
-                break
-            time.sleep(0.1)
+        hold_64mib(sbx, "/tmp/held")
         sbx.commands.run("sleep 3; echo done > /home/user/job", background=True)
         assert host_memory_bytes(sid) >= 64 << 20
         assert runsc_processes(sid), "a running gvisor sandbox is runsc processes on the host"

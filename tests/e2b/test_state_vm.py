@@ -19,7 +19,7 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import SandboxNotFoundException
 
 from conftest import API_KEY, API_URL, BASE_URL, needs_qemu
-from test_state import STATE_DIR, Server, _kill_mid, host_memory_bytes, saved_state, wait_http
+from test_state import STATE_DIR, Server, _kill_mid, hold_64mib, host_memory_bytes, saved_state, wait_http
 
 pytestmark = needs_qemu
 
@@ -57,11 +57,7 @@ def test_vm_memory_pause_frees_the_vmm_and_resumes_the_same_guest():
         wait_http(BASE_URL + "/index.html", headers, tries=600)
         # 64 MiB held in a process's memory: kept across the pause, and the measure of what a
         # running VMM holds on the host.
-        sbx.commands.run("python3 -c 'import time; b = bytearray(64 << 20); b[::4096] = b\"x\" * len(b[::4096]); open(\"/home/user/held\", \"w\").close(); time.sleep(3600)'", background=True)
-        for _ in range(600):
-            if sbx.files.exists("/home/user/held"):
-                break
-            time.sleep(0.1)
+        hold_64mib(sbx, "/home/user/held")
         sbx.commands.run("sleep 3; echo done > /home/user/job", background=True)
         boot = sbx.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
         assert cgroups(sid), "a running vm sandbox has its cgroup on the host"

@@ -108,6 +108,29 @@ pub(crate) async fn freeze(e: &Arc<LiveSandbox>, on: bool) -> Result<(), ApiErro
         .map_err(|err| ApiError::internal(err.to_string()))
 }
 
+/// A pause whose `save` ends the sandbox (to disk with its memory, or keeping its whole disk):
+/// listed as paused from the start, so that the data plane answers as for a paused sandbox
+/// (and an autoResume request waits for its turn, then resumes it from disk); once the record
+/// is written the sandbox leaves the list and is destroyed. If `save` fails, it runs on.
+async fn pause_ending(
+    sandboxes: &Arc<Sandboxes>,
+    e: &Arc<LiveSandbox>,
+    save: impl std::future::Future<Output = Result<Arc<crate::saved::Record>, ApiError>>,
+) -> Result<Arc<crate::saved::Record>, ApiError> {
+    e.set_frozen(Some(SystemTime::now()));
+    let record = match save.await {
+        Ok(r) => r,
+        Err(err) => {
+            e.set_frozen(None);
+            return Err(err);
+        }
+    };
+    if let Some(gone) = sandboxes.take(&e.id) {
+        sandboxes.destroy(&gone).await;
+    }
+    Ok(record)
+}
+
 /// Pauses sandbox `id`, with its memory or to its files. `auto`: the pause of its deadline.
 pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: bool) -> Result<(), ApiError> {
     if sandboxes.saved.as_ref().is_some_and(|s| s.get(id).is_some()) {
@@ -128,19 +151,7 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
     if memory && caps.checkpoint && e.with_instance(false, |i| i.checkpointable()) {
         let saved = sandboxes.saved.as_ref().ok_or_else(|| unsupported("this server keeps no state: it cannot save a sandbox's memory to disk".into()))?;
         saved.check_budget(e.memory_current().unwrap_or(0) + e.disk_usage().map_or(0, |(used, _)| used))?;
-        // The data plane answers as for a paused sandbox from now on (and an autoResume
-        // request waits for its turn, then resumes it from disk).
-        e.set_frozen(Some(SystemTime::now()));
-        let record = match saved.pause_with_memory(&e).await {
-            Ok(r) => r,
-            Err(err) => {
-                e.set_frozen(None);
-                return Err(err);
-            }
-        };
-        if let Some(gone) = sandboxes.take(id) {
-            sandboxes.destroy(&gone).await;
-        }
+        let record = pause_ending(sandboxes, &e, saved.pause_with_memory(&e)).await?;
         tracing::info!(sandbox = %id, auto, mode = "full", saved = ?record.memory, "sandbox paused to disk with its memory");
         return Ok(());
     }
@@ -160,17 +171,7 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
     if caps.keep_disk {
         // The whole disk is kept (a VM's, which the host never mounts); the sandbox ends.
         saved.check_budget(e.disk_usage().map_or(e.disk_mb << 20, |(used, _)| used))?;
-        e.set_frozen(Some(SystemTime::now()));
-        let record = match saved.pause_keeping_disk(&e).await {
-            Ok(r) => r,
-            Err(err) => {
-                e.set_frozen(None);
-                return Err(err);
-            }
-        };
-        if let Some(gone) = sandboxes.take(id) {
-            sandboxes.destroy(&gone).await;
-        }
+        let record = pause_ending(sandboxes, &e, saved.pause_keeping_disk(&e)).await?;
         tracing::info!(sandbox = %id, auto, mode = "filesystem", kept = ?record.disk, "sandbox paused to its disk");
         return Ok(());
     }
