@@ -211,6 +211,7 @@ impl Executor {
             keep_writable: false,
             restore: None,
             disk_from: None,
+            volumes: Vec::new(),
         };
         let created = {
             let _enter = self.rt.enter();

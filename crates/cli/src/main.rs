@@ -19,6 +19,7 @@ mod state;
 mod template_build;
 mod tiers;
 mod vm;
+mod volume_cmd;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -45,6 +46,9 @@ enum Command {
     /// Build, import, list and remove images.
     #[command(subcommand)]
     Image(image_cmd::ImageCmd),
+    /// Create, list, inspect and delete persistent volumes.
+    #[command(subcommand)]
+    Volume(volume_cmd::VolumeCmd),
     /// Check every kernel feature and tool cordon uses, and say how to fix what is missing.
     Doctor,
     /// Serve the E2B API (control plane and sandbox traffic) on one port.
@@ -105,6 +109,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(a) => run::main(&state, a),
         Command::Image(c) => image_cmd::main(&state, c).map(|()| 0),
+        Command::Volume(c) => volume_cmd::main(&state, c),
         Command::Doctor => doctor::main(&state),
         Command::Serve(a) => serve::main(&state, a),
         Command::VmBootArgs => vm::boot_args(&state),

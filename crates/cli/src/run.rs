@@ -50,6 +50,10 @@ pub struct RunArgs {
     /// Copy a host file or directory in before the command starts (repeatable). Never mounted.
     #[arg(long = "copy", value_name = "HOST:SANDBOX")]
     copy: Vec<String>,
+    /// Mount a volume (`cordon volume create`) at an absolute path, read-write or with `:ro`
+    /// read-only (repeatable).
+    #[arg(long = "volume", value_name = "NAME:/PATH[:ro]")]
+    volume: Vec<String>,
     /// Allow ptrace and process_vm_* inside the sandbox (debuggers, profilers).
     #[arg(long)]
     allow_ptrace: bool,
@@ -137,7 +141,11 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         keep_writable: false,
         restore: None,
         disk_from: None,
+        volumes: Vec::new(),
     };
+    for v in &a.volume {
+        crate::volume_cmd::parse_mount(v)?;
+    }
     spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
     Ok(spec)
 }
@@ -164,7 +172,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     if a.command.is_empty() && !a.image_command {
         return Err(usage("give the command to run after `--` (e.g. `cordon run -- python3 -V`), or --image-command to run the image's own"));
     }
-    let mut plan = plan(&a)?;
+    let mut plan = plan(state, &a)?;
     let backend = open_tier(state, &plan)?;
     let command = image_defaults(state, &a, &mut plan.spec)?;
     let rt = runtime(&plan.spec)?;
@@ -201,9 +209,11 @@ struct Plan {
     dns_upstream: Option<std::net::SocketAddr>,
     copies: Vec<Copy>,
     caps: Capabilities,
+    /// The volumes' holds: released once the sandbox is gone.
+    _volumes: Vec<cordon_volume::Lease>,
 }
 
-fn plan(a: &RunArgs) -> Result<Plan> {
+fn plan(state: &State, a: &RunArgs) -> Result<Plan> {
     let spec = spec_from(a)?;
     let dns_upstream = crate::preflight::dns_upstream(a.dns_upstream.as_deref())?;
     let copies = a.copy.iter().map(|c| parse_copy(c)).collect::<Result<Vec<_>>>()?;
@@ -213,7 +223,17 @@ fn plan(a: &RunArgs) -> Result<Plan> {
         "the {} tier needs root (it creates cgroups and mounts): run cordon as root",
         spec.tier
     ))?;
-    Ok(Plan { spec, dns_upstream, copies, caps })
+    let mut spec = spec;
+    if !a.volume.is_empty() {
+        if !caps.volumes {
+            return Err(usage(format!("--volume: the {} tier cannot mount volumes yet: use --tier ns or gvisor", spec.tier)));
+        }
+        let (mounts, leases) = crate::volume_cmd::attach(state, &a.volume)?;
+        spec.volumes = mounts;
+        spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
+        return Ok(Plan { spec, dns_upstream, copies, caps, _volumes: leases });
+    }
+    Ok(Plan { spec, dns_upstream, copies, caps, _volumes: Vec::new() })
 }
 
 /// What the image's config decides where the flags did not: the user and working directory

@@ -64,6 +64,10 @@ pub struct ServeArgs {
     /// Paused sandboxes older than this are deleted (e.g. 30d, 12h).
     #[arg(long, value_name = "DURATION", default_value = "30d")]
     paused_ttl: String,
+    /// Size cap of a volume created through the API (`POST /volumes` has no size field);
+    /// images are sparse, so an empty volume takes a few MiB whatever its cap.
+    #[arg(long, default_value = crate::volume_cmd::DEFAULT_SIZE)]
+    volume_size: String,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -81,6 +85,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         return Err(usage("--max-sandboxes must be at least 1"));
     }
     let state_budget = a.state_budget.as_deref().map(cordon_spec::parse_size).transpose().map_err(|e| usage(format!("--state-budget: {}", e.reason)))?;
+    let volume_size = cordon_spec::parse_size(&a.volume_size).map_err(|e| usage(format!("--volume-size: {}", e.reason)))?;
     let paused_ttl = cordon_spec::parse_duration(&a.paused_ttl).map_err(|e| usage(format!("--paused-ttl: {}", e.reason)))?;
     if let Some(d) = &a.domain {
         if !cordon_server::tls::valid_domain(d) {
@@ -145,7 +150,8 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     }
     let backend = tiers;
     // Paused sandboxes and snapshots outlive the server: they are read back here.
-    let saved = cordon_server::saved::Saved::open(state.images()?, state.dir(), paused_ttl, state_budget).context("open the paused sandboxes and snapshots")?;
+    let volumes = Arc::new(cordon_server::volumes::VolumeApi::open(state.dir(), volume_size).context("open the volume store")?);
+    let saved = cordon_server::saved::Saved::open(state.images()?, state.dir(), paused_ttl, state_budget, Some(volumes.clone())).context("open the paused sandboxes and snapshots")?;
     let sandboxes = cordon_server::Sandboxes::with_saved(backend, a.max_sandboxes, a.envd_version, Some(saved));
     let network_default = match a.network_default {
         NetworkDefaultArg::Closed => cordon_server::network::NetworkDefault::Closed,
@@ -155,7 +161,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     let domain = a.domain.clone();
     let builder = crate::template_build::TemplateBuilder { host: state.host(None), store: state.images()?, registry, network: build_network };
     let templates = cordon_server::templates::Templates::open(state.dir(), state.images()?, Arc::new(builder)).context("open the template records")?;
-    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds), templates: Some(Arc::new(templates)) });
+    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds), templates: Some(Arc::new(templates)), volumes: Some(volumes) });
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

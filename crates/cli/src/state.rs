@@ -48,6 +48,14 @@ impl State {
         Ok(())
     }
 
+    /// The volume store, with whatever an interrupted create or delete left removed.
+    pub fn volumes(&self) -> Result<cordon_volume::Volumes> {
+        self.ensure()?;
+        let v = cordon_volume::Volumes::open(&self.dir)?;
+        v.reap();
+        Ok(v)
+    }
+
     pub fn images(&self) -> Result<cordon_image::Store> {
         self.ensure()?;
         Ok(cordon_image::Store::open(&self.dir)?)

@@ -12,7 +12,7 @@ use crate::Gvisor;
 /// What gvisor sandboxes support: egress, but no host syscall audit (gVisor's own kernel
 /// answers every call, so the host's filter has nothing to record); a pause with memory saves
 /// the sandbox to disk with runsc's checkpoint (or, with host networking, freezes it in place).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: true, keep_disk: false };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: true, keep_disk: false, volumes: true };
 
 /// The tier table's row for gvisor.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Gvisor, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -56,6 +56,7 @@ impl Backend for GvisorBackend {
             agent_config: cordon_agent::encode_config(&agent_cfg),
             tun: spec.network.is_enabled(),
             restore: spec.restore.clone(),
+            volumes: spec.volumes.clone(),
         };
         let mut sandbox = self.gv.create(&cfg).map_err(|e| Error::failed("gvisor tier", e))?;
         let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];

@@ -33,6 +33,9 @@ pub struct Bundle<'a> {
     /// where the forwarder answers DNS). The sandbox then shares the network namespace cordon
     /// made (see `netns`) instead of getting a new one.
     pub resolv_conf: Option<&'a Path>,
+    /// Volumes, bound at their paths. The sandbox sees their files with the owners on disk,
+    /// as it sees the image's: gVisor's kernel, not a user namespace, stands between them.
+    pub volumes: &'a [cordon_spec::VolumeMount],
 }
 
 /// What the agent needs to start commands as other users, and nothing for the host: gVisor
@@ -123,6 +126,12 @@ impl Bundle<'_> {
             }
             None => namespaces.push(LinuxNamespaceType::Network),
         }
+        // After the sandbox's own mounts, so that none can hide them. gVisor resolves each
+        // destination inside its own root: a symlink in the image leads nowhere on the host.
+        for v in self.volumes {
+            let source = v.source.to_str().ok_or_else(|| err("the state directory's path is not UTF-8"))?;
+            mounts.push(mount(&v.target, "bind", source, &["bind", "nosuid", "nodev", if v.read_only { "ro" } else { "rw" }])?);
+        }
         let namespaces = namespaces
         .into_iter()
         .map(|t| LinuxNamespaceBuilder::default().typ(t).build().map_err(err))
@@ -160,6 +169,7 @@ mod tests {
             nofile: 4096,
             nproc: 64,
             resolv_conf: None,
+            volumes: &[],
         };
         let v = serde_json::to_value(b.spec().unwrap()).unwrap();
         assert_eq!(v["hostname"], "isbx");
@@ -194,6 +204,7 @@ mod tests {
             nofile: 4096,
             nproc: 64,
             resolv_conf: Some(resolv),
+            volumes: &[],
         };
         let v = serde_json::to_value(b.spec().unwrap()).unwrap();
         let mounts = v["mounts"].as_array().unwrap();

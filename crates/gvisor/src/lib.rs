@@ -85,6 +85,8 @@ pub struct SandboxConfig {
     /// Start from a sandbox saved by [`Sandbox::checkpoint`] into this directory, with every
     /// process and its memory, instead of a fresh agent.
     pub restore: Option<PathBuf>,
+    /// Volumes bound in (host directories the host has mounted).
+    pub volumes: Vec<cordon_spec::VolumeMount>,
 }
 
 /// The tier on this host: runsc, the platform, the state directory.
@@ -198,6 +200,7 @@ impl Gvisor {
             nofile: cfg.limits.nofile,
             nproc: cfg.limits.pids as u64,
             resolv_conf: netns.as_ref().map(|_| resolv.as_path()),
+            volumes: &cfg.volumes,
         }
         .write(sb.entry.dir())?;
 

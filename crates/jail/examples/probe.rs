@@ -34,6 +34,7 @@ fn main() {
             connect_ports: None,
             writable: None,
             keep_writable: false,
+            volumes: Vec::new(),
         })
         .unwrap();
     eprintln!("created in {:?}, pid {}, uid base {}", t.elapsed(), sb.host_pid(), sb.uid_base());

@@ -66,6 +66,9 @@ pub struct JailerConfig {
     /// TCP ports Landlock allows connecting to; `None`: TCP not handled by Landlock.
     #[serde(default)]
     pub connect_ports: Option<Vec<(u16, u16)>>,
+    /// Volumes: host directories to bind at paths inside, after the image's layers.
+    #[serde(default)]
+    pub volumes: Vec<cordon_spec::VolumeMount>,
 }
 
 /// The descriptor the agent finds its configuration on (`CORDON_AGENT_CONFIG_FD`), after the
@@ -225,6 +228,14 @@ fn hand_over(cfg: &JailerConfig, pid: i32, sock: &OwnedFd) -> io::Result<(Option
         sys::mount_setattr(&tree, sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV, Some(&userns))?;
         trees.push(tree);
     }
+    // Then every volume, idmapped the same way: a file that sandbox uid 1000 wrote is uid 1000
+    // on the volume's disk and in every other sandbox that mounts it, whatever their ranges.
+    for v in &cfg.volumes {
+        let tree = sys::open_tree_clone(&v.source)?;
+        let ro = if v.read_only { sys::MOUNT_ATTR_RDONLY } else { 0 };
+        sys::mount_setattr(&tree, sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV | ro, Some(&userns))?;
+        trees.push(tree);
+    }
     for tree in trees {
         sys::send_fd(sock, &tree)?;
     }
@@ -286,11 +297,16 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
     for _ in 0..cfg.layers.len() {
         image.push(sys::recv_fd(sock)?.ok_or_else(|| io::Error::other("jailer went away"))?);
     }
+    let mut volumes = Vec::with_capacity(cfg.volumes.len());
+    for v in &cfg.volumes {
+        volumes.push((sys::recv_fd(sock)?.ok_or_else(|| io::Error::other("jailer went away"))?, v.target.clone()));
+    }
     sys::become_root()?;
     rootfs::enter(rootfs::RootPlan {
         staging: &cfg.staging,
         premounted: cfg.premounted,
         image,
+        volumes,
         disk_bytes: cfg.disk_bytes,
         hostname: &cfg.id,
         nameservers: cfg.tun,

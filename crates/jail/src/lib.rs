@@ -84,6 +84,8 @@ pub struct SandboxConfig {
     /// while the sandbox lives (see [`Sandbox::writable_upper`]) and which goes with the
     /// sandbox, however its owner ends. Ignored when `writable` is given.
     pub keep_writable: bool,
+    /// Volumes bound in, each idmapped for the sandbox's uid range.
+    pub volumes: Vec<cordon_spec::VolumeMount>,
 }
 
 /// Unmounts and removes a writable layer kept with [`SandboxConfig::writable`].
@@ -206,6 +208,7 @@ impl Jail {
             audit: cfg.audit,
             tun: cfg.tun,
             connect_ports: cfg.connect_ports.clone(),
+            volumes: cfg.volumes.clone(),
         };
         let (reply, taken) = jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))?;
         sb.tun = taken.tun;

@@ -21,6 +21,8 @@ pub struct RootPlan<'a> {
     pub premounted: bool,
     /// Detached, idmapped, read-only clones of the image's layer trees, bottom first.
     pub image: Vec<OwnedFd>,
+    /// Detached, idmapped trees of the volumes and the paths inside where they go.
+    pub volumes: Vec<(OwnedFd, String)>,
     /// Size of the one tmpfs that holds the writable layer, `/tmp` and `/dev/shm` together.
     pub disk_bytes: u64,
     pub hostname: &'a str,
@@ -61,6 +63,8 @@ pub trait MountOps {
     /// A bind, then a remount of it with `flags`.
     fn bind_with(&self, src: &Path, target: &Path, flags: libc::c_ulong) -> io::Result<()>;
     fn move_mount_to(&self, tree: &OwnedFd, target: &Path) -> io::Result<()>;
+    /// Attaches a volume's tree at `target` below `root`, making the missing directories.
+    fn attach_volume(&self, tree: &OwnedFd, root: &Path, target: &str) -> io::Result<()>;
     fn chdir(&self, dir: &Path) -> io::Result<()>;
     fn sethostname(&self, name: &str) -> io::Result<()>;
     /// `pivot_root` into the working directory and detach the old root.
@@ -87,6 +91,9 @@ impl MountOps for Kernel {
     }
     fn move_mount_to(&self, tree: &OwnedFd, target: &Path) -> io::Result<()> {
         sys::move_mount_to(tree, target)
+    }
+    fn attach_volume(&self, tree: &OwnedFd, root: &Path, target: &str) -> io::Result<()> {
+        sys::move_mount_to_fd(tree, &dir_beneath(root, target)?)
     }
     fn chdir(&self, dir: &Path) -> io::Result<()> {
         sys::chdir(dir)
@@ -119,11 +126,39 @@ pub fn enter(plan: RootPlan<'_>, ops: &dyn MountOps) -> io::Result<()> {
     // Only now, with no path left to a host file, are the image's files written: an image's
     // /etc/hosts may be a symlink to anywhere.
     let root = ops.root_after_pivot(&root);
+    // Volumes go on after the pivot too: their paths are the image's (or, for a fork or a
+    // resume, a sandbox's own files), so no component of them may resolve to the host.
+    for (tree, target) in &plan.volumes {
+        ops.attach_volume(tree, &root, target)?;
+    }
     name_host(&root, plan.hostname);
     if plan.nameservers {
         point_resolver_at_gateway(&root)?;
     }
     Ok(())
+}
+
+/// The directory `target` below `root`, made where missing (root-owned, 0755) and opened one
+/// component at a time without following a symlink: a path the sandbox's files could have
+/// turned into a link (a fork's, a resume's) fails instead of moving the volume elsewhere.
+fn dir_beneath(root: &Path, target: &str) -> io::Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let how = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+    let mut cur: OwnedFd = rustix::fs::open(root, flags, Mode::empty())?;
+    for name in target.split('/').filter(|c| !c.is_empty()) {
+        match rustix::fs::mkdirat(&cur, name, Mode::from_raw_mode(0o755)) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(io::Error::new(io::Error::from(e).kind(), format!("volume path {target}: mkdir {name}: {e}"))),
+        }
+        cur = rustix::fs::openat2(&cur, name, flags, Mode::empty(), how).map_err(|e| match e {
+            rustix::io::Errno::LOOP | rustix::io::Errno::XDEV | rustix::io::Errno::NOTDIR => {
+                io::Error::other(format!("volume path {target}: {name} is a symlink or not a directory in the sandbox's files"))
+            }
+            e => io::Error::new(io::Error::from(e).kind(), format!("volume path {target}: open {name}: {e}")),
+        })?;
+    }
+    Ok(cur)
 }
 
 /// Mounts the writable layer's tmpfs on `st`, the image under it and the overlay of both at
@@ -350,6 +385,9 @@ mod tests {
         fn bind_with(&self, src: &Path, target: &Path, flags: libc::c_ulong) -> io::Result<()> {
             self.note(format!("bind_with {} {} {flags:#x}", src.display(), target.display()))
         }
+        fn attach_volume(&self, _tree: &OwnedFd, root: &Path, target: &str) -> io::Result<()> {
+            self.note(format!("volume {} {target}", root.display()))
+        }
         fn move_mount_to(&self, _tree: &OwnedFd, target: &Path) -> io::Result<()> {
             self.note(format!("move_mount {}", target.display()))
         }
@@ -386,11 +424,39 @@ mod tests {
     }
 
     fn plan<'a>(st: &'a Path, nameservers: bool) -> RootPlan<'a> {
-        RootPlan { staging: st, premounted: false, image: vec![fs::File::open(st).unwrap().into()], disk_bytes: 1 << 20, hostname: "sb-test", nameservers }
+        RootPlan { staging: st, premounted: false, image: vec![fs::File::open(st).unwrap().into()], volumes: Vec::new(), disk_bytes: 1 << 20, hostname: "sb-test", nameservers }
     }
 
     fn position(calls: &[String], prefix: &str) -> usize {
         calls.iter().position(|c| c.starts_with(prefix)).unwrap_or_else(|| panic!("no call `{prefix}…` in {calls:#?}"))
+    }
+
+    #[test]
+    fn volumes_are_attached_after_the_pivot() {
+        let st = staging("volumes");
+        let ops = Recorder::default();
+        let tree: OwnedFd = fs::File::open(&st).unwrap().into();
+        enter(RootPlan { volumes: vec![(tree, "/data/set".into())], ..plan(&st, false) }, &ops).unwrap();
+        let calls = ops.calls();
+        assert!(position(&calls, "pivot") < position(&calls, "volume "), "{calls:#?}");
+        let _ = fs::remove_dir_all(&st);
+    }
+
+    #[test]
+    fn a_volume_path_through_a_symlink_is_refused_and_makes_nothing_outside() {
+        let st = staging("volume-symlink");
+        let (root, outside) = (st.join("root"), st.join("outside"));
+        fs::create_dir_all(&outside).unwrap();
+        symlink(&outside, root.join("data")).unwrap();
+        symlink("../../outside", root.join("rel")).unwrap();
+        for target in ["/data/x", "/rel/x"] {
+            let e = dir_beneath(&root, target).unwrap_err();
+            assert!(e.to_string().contains("is a symlink"), "{target}: {e}");
+        }
+        assert_eq!(fs::read_dir(&outside).unwrap().count(), 0, "a directory was made outside the root");
+        dir_beneath(&root, "/home/user/work").unwrap();
+        assert!(root.join("home/user/work").is_dir());
+        let _ = fs::remove_dir_all(&st);
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub const OPEN_TREE_CLONE: libc::c_uint = 1;
 pub const OPEN_TREE_CLOEXEC: libc::c_uint = libc::O_CLOEXEC as libc::c_uint;
 pub const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
 pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
+pub const MOUNT_ATTR_NOSUID: u64 = 0x2;
 pub const MOUNT_ATTR_NODEV: u64 = 0x4;
 pub const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 
@@ -156,6 +157,25 @@ pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> io::Result<()> {
         )
     };
     check(r, &format!("move_mount to {}", target.display())).map(drop)
+}
+
+/// Attaches a detached tree on the directory open at `target` (not a path: one opened
+/// component by component, see `rootfs::dir_beneath`).
+pub fn move_mount_to_fd(tree: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
+    const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+    let empty = c"";
+    // SAFETY: two fds we own and empty path strings that live across the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            target.as_raw_fd(),
+            empty.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+        )
+    };
+    check(r, "move_mount to a volume path").map(drop)
 }
 
 /// Lazily unmounts whatever is mounted at `target`.

@@ -32,6 +32,8 @@ pub struct Capabilities {
     /// started afresh on it (`SandboxSpec::disk_from`): a files-only pause on a tier whose
     /// files the host must not read itself (a VM's disk image, written by its guest kernel).
     pub keep_disk: bool,
+    /// Binds volumes (`SandboxSpec::volumes`) into a sandbox.
+    pub volumes: bool,
 }
 
 impl Capabilities {
@@ -41,6 +43,14 @@ impl Capabilities {
             return Err(Error::BadRequest(format!(
                 "network allowlists are enforced on the ns and gvisor tiers only so far; the {tier} tier runs with no network: drop the network rules or use another tier"
             )));
+        }
+        Ok(())
+    }
+
+    /// Refuses volumes on a tier that cannot bind them, rather than start without them.
+    pub fn check_volumes(&self, tier: Tier, spec: &SandboxSpec) -> Result<(), Error> {
+        if !spec.volumes.is_empty() && !self.volumes {
+            return Err(Error::BadRequest(format!("the {tier} tier cannot mount volumes yet: use the ns or gvisor tier")));
         }
         Ok(())
     }

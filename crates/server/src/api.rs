@@ -52,6 +52,11 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
     if path.starts_with(crate::templates::UPLOAD_PREFIX.trim_end_matches('/')) && method == Method::PUT {
         return templates(app)?.upload(&path, req).await;
     }
+    // The content API takes a volume's own bearer token, never the API key.
+    if let Some(rest) = path.strip_prefix("/volumecontent/") {
+        let rest = rest.to_string();
+        return crate::volume_content::handle(volumes(app)?, &method, &rest, req).await;
+    }
     let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()).unwrap_or("");
     if !auth::ct_eq(key, &app.api_key) {
         return Err(ApiError::unauthorized(if key.is_empty() {
@@ -101,6 +106,7 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
             let id = id.to_string();
             update_network(app, &id, req).await
         }
+        (_, false, ["volumes", ..]) => volumes(app)?.handle(&method, &segs.1, req).await,
         (&Method::GET, false, ["templates", "aliases", alias]) => template_alias(app, alias),
         (&Method::POST, false, ["v3", "templates"]) => templates(app)?.request(req).await,
         (&Method::GET, false, ["templates", id, "files", hash]) => {
@@ -128,6 +134,10 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         ),
         _ => Err(ApiError::not_found(format!("no API endpoint {method} {path}"))),
     }
+}
+
+fn volumes(app: &App) -> Result<&Arc<crate::volumes::VolumeApi>, ApiError> {
+    app.volumes.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "this server keeps no volumes").no_retry())
 }
 
 pub(crate) async fn read_json<T: for<'de> Deserialize<'de>>(req: Request<Incoming>, empty_ok: bool) -> Result<T, ApiError> {
@@ -169,6 +179,8 @@ struct CreateBody {
     auto_pause_memory: Option<bool>,
     #[serde(rename = "autoResume")]
     auto_resume: Option<AutoResume>,
+    #[serde(rename = "volumeMounts", default)]
+    volume_mounts: Option<Vec<crate::volumes::MountRequest>>,
 }
 
 /// `autoResume: {"enabled": bool}`.
@@ -321,6 +333,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
             traffic,
             restore,
             disk_from: None,
+            volume_mounts: b.volume_mounts.unwrap_or_default(),
             },
             who,
         )
@@ -376,6 +389,7 @@ pub fn detail_json(e: &LiveSandbox, domain: Option<&str>) -> Value {
         "domain": domain,
         "lifecycle": e.lifecycle.to_json(),
         "network": network_json(&e.network(), &e.traffic),
+        "volumeMounts": e.volume_mounts,
     });
     if frozen.is_some() {
         v["pauseMode"] = json!(crate::pause::PauseMode::Full.as_str());
@@ -403,6 +417,7 @@ pub fn saved_json(r: &crate::saved::Record, domain: Option<&str>) -> Value {
         "domain": domain,
         "lifecycle": r.lifecycle.to_json(),
         "network": network_json(&r.network, &crate::traffic::Traffic { public: r.public_traffic, mask_host: r.mask_host.clone() }),
+        "volumeMounts": r.volume_mounts,
     })
 }
 

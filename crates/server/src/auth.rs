@@ -126,6 +126,23 @@ pub fn check_file_signature(
     Ok(())
 }
 
+/// A server's own signing key at `path`: 32 random bytes made on first use (0600), the same
+/// across restarts so that what it signed stays valid.
+pub fn signing_key(path: &Path) -> std::io::Result<Vec<u8>> {
+    match std::fs::read(path) {
+        Ok(k) if k.len() >= 32 => Ok(k),
+        _ => {
+            let mut k = vec![0u8; 32];
+            getrandom::fill(&mut k).map_err(|e| std::io::Error::other(e.to_string()))?;
+            let tmp = path.with_extension("tmp");
+            let _ = std::fs::remove_file(&tmp);
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?.write_all(&k)?;
+            std::fs::rename(&tmp, path)?;
+            Ok(k)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

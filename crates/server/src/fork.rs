@@ -133,5 +133,6 @@ fn like(e: &crate::registry::LiveSandbox, timeout: Duration) -> NewSandbox {
         traffic: e.traffic.clone(),
         restore: None,
         disk_from: None,
+        volume_mounts: e.volume_mounts.clone(),
     }
 }

@@ -32,6 +32,9 @@ pub mod start_command;
 pub mod templates;
 pub mod tls;
 pub mod traffic;
+pub mod volume_content;
+pub mod volume_token;
+pub mod volumes;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -85,6 +88,8 @@ pub struct App {
     pub builds: Option<first_build::FirstBuilds>,
     /// Template builds through the API (`Template()` of the SDKs); `None` answers them 501.
     pub templates: Option<Arc<templates::Templates>>,
+    /// Volumes (`/volumes`, `/volumecontent`, `volumeMounts`); `None` answers them 501.
+    pub volumes: Option<Arc<volumes::VolumeApi>>,
 }
 
 impl App {

@@ -66,6 +66,10 @@ pub struct LiveSandbox {
     pub metrics: crate::metrics::History,
     end_at: Mutex<SystemTime>,
     instance: Mutex<Option<Box<dyn Sandbox>>>,
+    /// Its `volumeMounts`, as info shows them.
+    pub volume_mounts: Vec<crate::volumes::MountRequest>,
+    /// Its volumes held in use, released when it is destroyed.
+    volume_leases: Mutex<Vec<cordon_volume::Lease>>,
 }
 
 impl LiveSandbox {
@@ -165,6 +169,8 @@ pub struct NewSandbox {
     pub restore: Option<PathBuf>,
     /// Start afresh on a disk kept by a files-only pause (see `SandboxSpec::disk_from`).
     pub disk_from: Option<PathBuf>,
+    /// Volumes to mount (`volumeMounts`), by name.
+    pub volume_mounts: Vec<crate::volumes::MountRequest>,
 }
 
 /// Who a sandbox is: new ones get fresh ids and tokens, a resumed one keeps its own.
@@ -276,6 +282,21 @@ impl Sandboxes {
         Ok(r)
     }
 
+    /// The volumes of a create's `volumeMounts`, each held and mounted on the host.
+    async fn lease_volumes(&self, mounts: &[crate::volumes::MountRequest], tier: cordon_spec::Tier) -> Result<Vec<(cordon_spec::VolumeMount, cordon_volume::Lease)>, ApiError> {
+        if mounts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let api = self.volumes().ok_or_else(|| ApiError::bad_request("invalid mounts: this server keeps no volumes"))?.clone();
+        let (mounts, can) = (mounts.to_vec(), self.backend.capabilities(tier).volumes);
+        tokio::task::spawn_blocking(move || api.resolve(&mounts, can, tier)).await.map_err(|e| ApiError::internal(e.to_string()))?
+    }
+
+    /// The volume service, where the server keeps state.
+    pub fn volumes(&self) -> Option<&Arc<crate::volumes::VolumeApi>> {
+        self.saved.as_ref().and_then(|s| s.volumes.as_ref())
+    }
+
     /// Creates a sandbox and returns once its agent answers.
     pub async fn create(self: &Arc<Self>, req: NewSandbox) -> Result<Arc<LiveSandbox>, ApiError> {
         self.create_as(req, Identity::fresh()).await
@@ -302,6 +323,10 @@ impl Sandboxes {
             disk_from: req.disk_from.clone(),
             ..Default::default()
         };
+        let mut spec = spec;
+        let leases = self.lease_volumes(&req.volume_mounts, req.tier).await?;
+        spec.volumes = leases.iter().map(|(m, _)| m.clone()).collect();
+        let leases: Vec<cordon_volume::Lease> = leases.into_iter().map(|(_, l)| l).collect();
         let started = Instant::now();
         let instance = served::create(self.backend.clone(), &spec)
             .await
@@ -351,6 +376,8 @@ impl Sandboxes {
             metrics: Default::default(),
             end_at: Mutex::new(SystemTime::now() + req.timeout),
             instance: Mutex::new(Some(instance)),
+            volume_mounts: req.volume_mounts,
+            volume_leases: Mutex::new(leases),
         });
         if let Err(e) = cordon_envd::EnvdClient::new(socket.to_path_buf()).wait_healthy(READY_TIMEOUT).await {
             self.destroy(&entry).await;
@@ -526,6 +553,8 @@ fn spawn_metrics(entry: &Arc<LiveSandbox>) {
 }
 
 pub(crate) async fn destroy(entry: &Arc<LiveSandbox>) {
+    // Its volumes are free once it is gone (not while something may still hold the entry).
+    let _leases = std::mem::take(&mut *entry.volume_leases.lock().unwrap_or_else(|p| p.into_inner()));
     let instance = entry.instance.lock().unwrap_or_else(|p| p.into_inner()).take();
     let Some(mut instance) = instance else { return };
     let id = entry.id.clone();

@@ -64,6 +64,9 @@ pub struct Record {
     /// `image` is then its template's, as with `memory`.
     #[serde(default)]
     pub disk: Option<String>,
+    /// Its volumes, mounted again where they were at a resume.
+    #[serde(default, rename = "volumeMounts")]
+    pub volume_mounts: Vec<crate::volumes::MountRequest>,
 }
 
 impl Record {
@@ -85,6 +88,7 @@ impl Record {
             traffic: crate::traffic::Traffic { public: self.public_traffic, mask_host: self.mask_host.clone() },
             restore: None,
             disk_from: None,
+            volume_mounts: self.volume_mounts.clone(),
         }
     }
 
@@ -124,12 +128,16 @@ pub struct Saved {
     budget: Option<u64>,
     records: Mutex<HashMap<String, Arc<Record>>>,
     pub snapshots: crate::snapshots::Snapshots,
+    /// The volume service, where the server has one.
+    pub volumes: Option<Arc<crate::volumes::VolumeApi>>,
+    /// The volumes each paused sandbox holds in use, so that none is deleted under it.
+    holds: Mutex<HashMap<String, Vec<cordon_volume::Lease>>>,
 }
 
 impl Saved {
     /// Opens `<state>/paused` and the snapshot list, and deletes what a server killed half-way
     /// through a pause or a fork left behind.
-    pub fn open(store: cordon_image::Store, state_dir: &std::path::Path, paused_ttl: Duration, budget: Option<u64>) -> Result<Saved, ServerError> {
+    pub fn open(store: cordon_image::Store, state_dir: &std::path::Path, paused_ttl: Duration, budget: Option<u64>, volumes: Option<Arc<crate::volumes::VolumeApi>>) -> Result<Saved, ServerError> {
         let dir = state_dir.join("paused");
         let io = |what: String| move |source| ServerError::Io { what, source };
         fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
@@ -171,8 +179,11 @@ impl Saved {
                 let _ = fs::remove_dir_all(entry.path());
             }
         }
-        let saved = Saved { store, dir, paused_ttl, budget, records: Mutex::new(records), snapshots };
+        let saved = Saved { store, dir, paused_ttl, budget, records: Mutex::new(records), snapshots, volumes, holds: Mutex::new(HashMap::new()) };
         saved.sweep_orphans();
+        for r in saved.all() {
+            saved.hold(&r);
+        }
         Ok(saved)
     }
 
@@ -220,8 +231,23 @@ impl Saved {
         self.lock().insert(r.id.clone(), r);
     }
 
+    /// Holds a paused sandbox's volumes in use until its record is forgotten. A volume that
+    /// is gone is said, and its resume will say so again.
+    fn hold(&self, r: &Record) {
+        let Some(api) = &self.volumes else { return };
+        let mut leases = Vec::new();
+        for m in &r.volume_mounts {
+            match api.store.lease_by_name(&m.name) {
+                Ok(l) => leases.push(l),
+                Err(e) => tracing::warn!(sandbox = %r.id, volume = %m.name, "a paused sandbox's volume cannot be held: {e}"),
+            }
+        }
+        self.holds.lock().unwrap_or_else(|p| p.into_inner()).insert(r.id.clone(), leases);
+    }
+
     /// Deletes a resumed sandbox's record (its image is now the sandbox's own).
     pub fn forget(&self, id: &str) {
+        self.holds.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
         let _ = fs::remove_file(self.dir.join(format!("{id}.json")));
     }
 
@@ -467,6 +493,7 @@ impl Saved {
             let _ = fs::remove_dir_all(&dir);
             return Err(err);
         }
+        self.hold(&record);
         let record = Arc::new(record);
         self.lock().insert(record.id.clone(), record.clone());
         Ok(record)
@@ -500,6 +527,7 @@ impl Saved {
             self.drop_image(&image).await;
             return Err(err);
         }
+        self.hold(&record);
         let record = Arc::new(record);
         self.lock().insert(record.id.clone(), record.clone());
         Ok(record)
@@ -566,6 +594,7 @@ fn record_of(e: &LiveSandbox, image: String, now: SystemTime) -> Record {
         paused_unix_ms: unix_ms(now),
         memory: None,
         disk: None,
+        volume_mounts: e.volume_mounts.clone(),
     }
 }
 

@@ -197,20 +197,7 @@ impl Templates {
                 }
             }
         }
-        let key_path = dir.join("upload-key");
-        let key = match std::fs::read(&key_path) {
-            Ok(k) if k.len() >= 32 => k,
-            _ => {
-                let mut k = vec![0u8; 32];
-                getrandom::fill(&mut k).expect("the kernel's random source is available");
-                use std::os::unix::fs::OpenOptionsExt;
-                let tmp = key_path.with_extension("tmp");
-                let _ = std::fs::remove_file(&tmp);
-                std::io::Write::write_all(&mut std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?, &k)?;
-                std::fs::rename(&tmp, &key_path)?;
-                k
-            }
-        };
+        let key = crate::auth::signing_key(&dir.join("upload-key"))?;
         let t = Templates { dir, db: Mutex::new(db), logs: Mutex::new(BTreeMap::new()), builder, key, images };
         t.save(&t.db.lock().expect("db lock"))?;
         Ok(t)

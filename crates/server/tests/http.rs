@@ -55,7 +55,7 @@ impl Sandbox for InProcessInstance {
 impl Backend for InProcess {
     fn capabilities(&self, _tier: cordon_spec::Tier) -> Capabilities {
         // The API's policy checks run as for the ns tier; the in-process agent has no interface.
-        Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: false, keep_writable: false, checkpoint: false, keep_disk: false }
+        Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: false, keep_writable: false, checkpoint: false, keep_disk: false, volumes: false }
     }
 
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, BackendError> {
@@ -177,7 +177,7 @@ async fn start_with(max: usize, network_default: cordon_server::network::Network
     let backend = Arc::new(InProcess { dir: dir.clone() });
     let sandboxes = Sandboxes::new(backend, max, "0.6.13".into());
     let images = cordon_image::Store::open(&dir).unwrap();
-    let app = Arc::new(App { api_key: KEY.into(), sandboxes, images, network_default, domain: None, tls: None, builds: None, templates: None });
+    let app = Arc::new(App { api_key: KEY.into(), sandboxes, images, network_default, domain: None, tls: None, builds: None, templates: None, volumes: None });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(cordon_server::serve(listener, app, std::future::pending()));

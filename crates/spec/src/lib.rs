@@ -119,6 +119,52 @@ pub struct SandboxSpec {
     /// in this directory: its files, none of its processes. Only read, as `restore` is.
     #[serde(default)]
     pub disk_from: Option<std::path::PathBuf>,
+    /// Volumes bound into the sandbox: directories the host has mounted (`cordon_volume`), the
+    /// only host data a sandbox sees, each named at its create.
+    #[serde(default)]
+    pub volumes: Vec<VolumeMount>,
+}
+
+/// A volume at a path inside the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeMount {
+    /// The volume's name, as the API shows it.
+    pub name: String,
+    /// The host directory its filesystem is mounted on.
+    pub source: std::path::PathBuf,
+    /// Where it appears inside: absolute and clean (see [`validate_mount_path`]).
+    pub target: String,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// Paths a volume may not cover: the root, and what the sandbox's own plumbing lives under.
+const RESERVED_MOUNT_PATHS: [&str; 5] = ["/proc", "/sys", "/dev", "/.cordon", "/etc/resolv.conf"];
+
+/// A volume's mount path: absolute, clean (no `.`/`..`, empty or trailing components, as
+/// E2B's create checks it), and not the root or the sandbox's own plumbing. The reasons are
+/// E2B's words where it has them.
+pub fn validate_mount_path(path: &str) -> Result<(), SpecError> {
+    let bad = |reason: String| Err(SpecError::new("volume", reason));
+    if !path.starts_with('/') {
+        return bad("path must be absolute".into());
+    }
+    if path.split('/').skip(1).any(|c| c == "." || c == "..") {
+        return bad("path must not contain any '.' or '..' components".into());
+    }
+    if path.contains("//") || (path.len() > 1 && path.ends_with('/')) {
+        return bad(format!("path '{path}' is not clean: remove empty components and the trailing '/'"));
+    }
+    if path == "/" {
+        return bad("path '/' would cover the whole root: mount a volume below it".into());
+    }
+    if path.contains('\0') || path.len() > 4096 {
+        return bad("path contains a NUL byte or is longer than 4096 bytes".into());
+    }
+    if let Some(r) = RESERVED_MOUNT_PATHS.iter().find(|r| path == **r || path.strip_prefix(**r).is_some_and(|rest| rest.starts_with('/'))) {
+        return bad(format!("path '{path}' is under {r}, which the sandbox itself needs: choose another path"));
+    }
+    Ok(())
 }
 
 fn default_user() -> String {
@@ -141,6 +187,7 @@ impl Default for SandboxSpec {
             keep_writable: false,
             restore: None,
             disk_from: None,
+            volumes: Vec::new(),
         }
     }
 }
@@ -160,6 +207,13 @@ impl SandboxSpec {
             }
         }
         validate_user(&self.user)?;
+        let mut seen = std::collections::HashSet::new();
+        for v in &self.volumes {
+            validate_mount_path(&v.target)?;
+            if !seen.insert(v.target.as_str()) {
+                return Err(SpecError::new("volume", format!("path '{}' is already used", v.target)));
+            }
+        }
         Ok(())
     }
 }
@@ -264,6 +318,30 @@ mod tests {
     #[test]
     fn default_spec_is_valid() {
         SandboxSpec::default().validate().unwrap();
+    }
+
+    #[test]
+    fn volume_mount_paths() {
+        for ok in ["/data", "/home/user/work", "/mnt/a-b_c", "/devices", "/procfs"] {
+            validate_mount_path(ok).unwrap();
+        }
+        for (bad, says) in [
+            ("data", "must be absolute"),
+            ("/a/../b", "'.' or '..'"),
+            ("/a/./b", "'.' or '..'"),
+            ("/a//b", "not clean"),
+            ("/a/", "not clean"),
+            ("/", "whole root"),
+            ("/proc/x", "under /proc"),
+            ("/dev", "under /dev"),
+            ("/.cordon", "under /.cordon"),
+        ] {
+            let e = validate_mount_path(bad).unwrap_err();
+            assert!(e.reason.contains(says), "{bad}: {}", e.reason);
+        }
+        let v = |t: &str| VolumeMount { name: "v".into(), source: "/x".into(), target: t.into(), read_only: false };
+        let spec = SandboxSpec { volumes: vec![v("/a"), v("/a")], ..Default::default() };
+        assert_eq!(spec.validate().unwrap_err().reason, "path '/a' is already used");
     }
 
     #[test]

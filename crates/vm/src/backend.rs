@@ -12,7 +12,7 @@ use crate::{VmError, VmTier};
 
 /// What vm sandboxes support: no egress forwarder yet, no host syscall audit (the guest kernel
 /// answers), and the OOM count is the guest's (a round trip through the agent).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, keep_disk: true };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, keep_disk: true, volumes: false };
 
 /// The tier table's row for vm.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -120,6 +120,7 @@ impl Backend for VmBackend {
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
         CAPABILITIES.check_network(Tier::Vm, &spec.network)?;
         CAPABILITIES.check_restore(Tier::Vm, spec)?;
+        CAPABILITIES.check_volumes(Tier::Vm, spec)?;
         let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
         let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
         spec.validate()?;
