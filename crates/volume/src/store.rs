@@ -339,4 +339,64 @@ mod tests {
             assert!(!valid_id(bad), "{bad:?}");
         }
     }
+
+    /// A store in a temporary state dir; the tests that mount need root (CI runs as root).
+    fn scratch(name: &str) -> Option<(PathBuf, Volumes)> {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: mounting a volume needs root");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!("cordon-volstore-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let v = Volumes::open(&dir).unwrap();
+        Some((dir, v))
+    }
+
+    fn cleanup(dir: &Path, v: &Volumes) {
+        for info in v.list().unwrap() {
+            let _ = v.delete(&info.id);
+        }
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_leased_volume_cannot_be_deleted_and_a_released_one_goes_whole() {
+        let Some((dir, v)) = scratch("lease") else { return };
+        let info = v.create("data", MIN_SIZE).unwrap();
+        assert!(matches!(v.create("data", MIN_SIZE), Err(VolumeError::NameTaken(_))));
+        let image = dir.join("volumes").join(&info.id).join(IMAGE);
+        // Sparse: a new volume takes a small part of its cap on the host's disk.
+        let on_disk = std::os::unix::fs::MetadataExt::blocks(&fs::metadata(&image).unwrap()) * 512;
+        assert!(on_disk < info.size_bytes / 2, "{on_disk} of {}", info.size_bytes);
+        let lease = v.lease_by_name("data").unwrap();
+        assert!(is_mount_root(lease.root()).unwrap());
+        fs::write(lease.root().join("f"), "x").unwrap();
+        // A second holder (another sandbox) shares it; a delete is refused while either holds.
+        let second = v.lease(&info.id).unwrap();
+        assert!(matches!(v.delete(&info.id), Err(VolumeError::InUse(_))));
+        drop(lease);
+        assert!(matches!(v.delete(&info.id), Err(VolumeError::InUse(_))));
+        assert_eq!(fs::read_to_string(second.root().join("f")).unwrap(), "x");
+        drop(second);
+        v.delete(&info.id).unwrap();
+        assert!(matches!(v.get(&info.id), Err(VolumeError::NotFound(_))));
+        assert!(!dir.join("volumes").join(&info.id).exists());
+        assert!(fs::read_dir(dir.join("volumes")).unwrap().flatten().all(|e| e.file_name().to_string_lossy().starts_with(".")));
+        cleanup(&dir, &v);
+    }
+
+    #[test]
+    fn a_failed_create_leaves_no_half_made_volume() {
+        let Some((dir, v)) = scratch("failed") else { return };
+        assert!(matches!(v.create("bad name", MIN_SIZE), Err(VolumeError::InvalidName(_))));
+        assert!(matches!(v.create("tiny", 1 << 20), Err(VolumeError::InvalidSize(_))));
+        assert!(matches!(v.create("huge", MAX_SIZE), Err(VolumeError::NoRoom { .. })), "16 TiB does not fit here");
+        // An interrupted create's staging directory is reaped.
+        fs::create_dir(dir.join("volumes/.new-0")).unwrap();
+        v.reap();
+        assert!(v.list().unwrap().is_empty());
+        assert_eq!(fs::read_dir(dir.join("volumes")).unwrap().flatten().filter(|e| e.file_name() != ".lock").count(), 0);
+        cleanup(&dir, &v);
+    }
 }
