@@ -93,6 +93,7 @@ pub fn main(state: &State, a: McpArgs) -> Result<u8> {
     let dns_upstream = crate::preflight::dns_upstream(a.dns_upstream.as_deref())?;
     crate::preflight::require_root("cordon mcp needs root (sandboxes need cgroups and idmapped mounts): run it as root")?;
     cordon_jail::become_subreaper();
+    cordon_host::orphans::start();
     // Opening the tier reaps whatever a crashed cordon left behind, and refuses a tier this
     // host cannot run.
     let backend = state.backend(cfg.tier, dns_upstream)?;

@@ -137,6 +137,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     };
 
     cordon_jail::become_subreaper();
+    cordon_host::orphans::start();
     // Opening a tier reaps every sandbox of it a crashed cordon left behind: sandboxes are not
     // adopted, since their tokens and deadlines died with the old process.
     let tiers = cordon_sandbox::Tiers::new(state.host(Some(a.envd_version.clone())), &crate::tiers::TABLE);

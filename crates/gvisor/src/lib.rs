@@ -153,6 +153,7 @@ impl Gvisor {
             networked: cfg.tun,
             runsc: self.runsc.path.clone(),
             key: self.key(&cfg.layers),
+            held: Vec::new(),
             torn_down: false,
         };
         if let Some(saved) = &cfg.restore {
@@ -222,6 +223,8 @@ impl Gvisor {
         // runsc holds the namespace now; the host keeps only the TUN device.
         sb.tun = netns.map(|n| n.tun);
         sb.pidfd = Some(launched.pidfd);
+        // Waited for at teardown, which may come long after a checkpoint ended it.
+        cordon_host::orphans::claim(launched.child.id());
         sb.child = Some(launched.child);
         let opening = match cfg.restore {
             Some(_) => launch::Opening::Resume,
@@ -230,6 +233,9 @@ impl Gvisor {
         sb.link = Some(launch::serve_link(launched.from_agent, launched.to_agent, listener, opening)?);
         sb.write_record()?;
         sb.wait_ready()?;
+        // runsc's own processes (its sandbox and gofer) outlive the `runsc run` that started
+        // them and fall to cordon when they exit, whether killed or ended by a checkpoint.
+        sb.held = sb.cgroup.pidfds();
         tracing::debug!(id = %cfg.id, elapsed = ?started.elapsed(), platform = %self.platform, "gvisor sandbox ready");
         Ok(sb)
     }
@@ -265,6 +271,8 @@ pub struct Sandbox {
     runsc: PathBuf,
     /// What a saved copy must be restored with (see [`SAVED_KEY`]).
     key: String,
+    /// Its runsc processes, held to be reaped at the end (see `cordon_host::sys::reap_all`).
+    held: Vec<(libc::pid_t, OwnedFd)>,
     torn_down: bool,
 }
 
@@ -484,12 +492,16 @@ impl HostSandbox for Sandbox {
             return Ok(());
         }
         self.torn_down = true;
+        let mut held = std::mem::take(&mut self.held);
+        held.extend(self.cgroup.pidfds());
         self.kill();
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+            cordon_host::orphans::release(child.id());
         }
         let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
+        cordon_host::sys::reap_all(&held, Duration::from_millis(500));
         let removed = self.cgroup.remove();
         if let Some(link) = self.link.take() {
             link.stop();

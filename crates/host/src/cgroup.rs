@@ -207,6 +207,11 @@ impl Cgroup {
         out
     }
 
+    /// A pidfd of each process in the groups now (see [`crate::sys::reap_all`]).
+    pub fn pidfds(&self) -> Vec<(libc::pid_t, std::os::fd::OwnedFd)> {
+        self.pids().into_iter().filter_map(|p| crate::sys::pidfd_open(p).ok().map(|fd| (p, fd))).collect()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.pids().is_empty()
     }

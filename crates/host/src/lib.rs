@@ -12,6 +12,7 @@
 
 pub mod cgroup;
 pub mod ledger;
+pub mod orphans;
 pub mod slots;
 pub mod sys;
 pub mod tun;

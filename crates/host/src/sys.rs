@@ -28,6 +28,36 @@ pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// Reaps the process of `pidfd` if it is a child of ours that has exited: true when it did.
+pub fn reap_pidfd(pidfd: &OwnedFd) -> bool {
+    const P_PIDFD: libc::idtype_t = 3;
+    // SAFETY: an all-zero siginfo_t is valid for waitid to fill in.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid on a pidfd we own, with a valid siginfo_t to write into.
+    let r = unsafe { libc::waitid(P_PIDFD, pidfd.as_raw_fd() as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG) };
+    if r < 0 {
+        // ECHILD: not ours to reap (now).
+        return false;
+    }
+    // SAFETY: waitid filled `info`; si_pid is 0 when the child has not exited yet.
+    unsafe { info.si_pid() != 0 }
+}
+
+/// Reaps whichever of these processes are cordon's children once they have exited, waiting
+/// up to `deadline` for them to. A sandbox's processes whose parent exits before them (runsc's)
+/// are re-parented to cordon, a child subreaper, and would otherwise stay zombies as long as
+/// cordon runs, each holding a pid of the host's. Held by pidfds taken while they lived, so a
+/// reused pid is never waited for.
+pub fn reap_all(held: &[(libc::pid_t, OwnedFd)], deadline: std::time::Duration) {
+    let until = std::time::Instant::now() + deadline;
+    for (pid, fd) in held {
+        // Not ours yet may mean its parent has not exited yet: it is ours once it has.
+        while !reap_pidfd(fd) && std::fs::metadata(format!("/proc/{pid}")).is_ok() && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
 /// Takes an exclusive lock without waiting: false when another process holds it.
 pub fn flock_exclusive_nb(fd: &impl AsRawFd) -> io::Result<bool> {
     // SAFETY: flock on a valid fd.

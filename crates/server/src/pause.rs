@@ -156,6 +156,9 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
         return Ok(());
     }
     if memory {
+        if caps.checkpoint && !caps.freeze {
+            return Err(crate::saved::unsaveable(&e));
+        }
         if !caps.freeze {
             return Err(unsupported(format!(
                 "the {} tier cannot pause a sandbox with its memory yet: pause it with memory=false (files only) where the tier keeps files, or kill it",

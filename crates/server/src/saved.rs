@@ -404,6 +404,9 @@ impl Saved {
         if e.frozen_at().is_some() {
             return Err(paused());
         }
+        if !e.with_instance(false, |i| i.checkpointable()) {
+            return Err(unsaveable(&e));
+        }
         self.check_budget(e.memory_current().unwrap_or(0))?;
         // Named like no record's memory: the next start deletes it if this server dies first.
         let kept = KeptMemory { dir: self.dir.join(format!(".fork-{id}-{}.mem", unix_ms(SystemTime::now()))) };
@@ -532,6 +535,12 @@ impl Saved {
         self.lock().insert(record.id.clone(), record.clone());
         Ok(record)
     }
+}
+
+/// Why a sandbox of a tier that saves memory cannot have its memory saved.
+pub(crate) fn unsaveable(e: &LiveSandbox) -> ApiError {
+    let why = if e.volume_mounts.is_empty() { "this sandbox's memory cannot be saved" } else { "a VM with volumes cannot be saved with its memory (its virtio-fs shares cannot be migrated)" };
+    ApiError::new(StatusCode::CONFLICT, format!("sandbox '{}': {why}: pause it with memory=false (its files), or create it without volumes", e.id)).no_retry()
 }
 
 /// A running sandbox's state saved for forks, deleted when dropped.

@@ -12,7 +12,7 @@ use crate::{VmError, VmTier};
 
 /// What vm sandboxes support: no egress forwarder yet, no host syscall audit (the guest kernel
 /// answers), and the OOM count is the guest's (a round trip through the agent).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, keep_disk: true, volumes: false };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, keep_disk: true, volumes: true };
 
 /// The tier table's row for vm.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -42,6 +42,8 @@ fn vm_err(what: &'static str) -> impl Fn(VmError) -> Error {
 struct VmSandbox {
     vm: crate::Vm,
     start: Option<cordon_image::StartCommand>,
+    /// It has volumes.
+    volumes: bool,
     /// Holds the image against `cordon image rm` while the VM lives.
     _pin: cordon_image::Pin,
 }
@@ -83,8 +85,10 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.vm.accel().slowdown()
     }
 
+    /// Not with volumes: QEMU cannot migrate a vhost-user-fs device (its daemon's state lives
+    /// outside the VM).
     fn checkpointable(&self) -> bool {
-        true
+        !self.volumes
     }
 
     fn checkpoint(&mut self, dir: &Path, keep_running: bool) -> Result<(), Error> {
@@ -120,7 +124,6 @@ impl Backend for VmBackend {
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
         CAPABILITIES.check_network(Tier::Vm, &spec.network)?;
         CAPABILITIES.check_restore(Tier::Vm, spec)?;
-        CAPABILITIES.check_volumes(Tier::Vm, spec)?;
         let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
         let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
         spec.validate()?;
@@ -130,12 +133,13 @@ impl Backend for VmBackend {
             id: spec.id.clone(),
             limits: spec.limits.clone(),
             agent: cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref()),
+            volumes: spec.volumes.clone(),
         };
         let vm = match (&spec.restore, &spec.disk_from) {
             (Some(dir), _) => self.tier.restore(&cfg, &prep, dir).map_err(vm_err("restore the saved VM"))?,
             (None, Some(dir)) => self.tier.create_on(&cfg, &prep, dir).map_err(vm_err("start the VM on its kept disk"))?,
             (None, None) => self.tier.create(&cfg, &prep).map_err(vm_err("create the VM"))?,
         };
-        Ok(Box::new(VmSandbox { vm, start: image.meta.start.clone(), _pin: pin }))
+        Ok(Box::new(VmSandbox { vm, start: image.meta.start.clone(), volumes: !spec.volumes.is_empty(), _pin: pin }))
     }
 }

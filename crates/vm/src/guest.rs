@@ -142,6 +142,8 @@ fn init() -> Result<(), String> {
     // SAFETY: chmod of a fixed path; /tmp on the overlay must be world-writable and sticky.
     unsafe { libc::chmod(c"/tmp".as_ptr(), 0o1777) };
 
+    mount_volumes(&cfg.volumes)?;
+
     // No network device at all, but loopback must work: servers inside are reached through it
     // (the agent's port forwarding connects to 127.0.0.1).
     cordon_host::sys::loopback_up().map_err(|e| format!("bring up lo: {e}"))?;
@@ -176,6 +178,30 @@ fn init() -> Result<(), String> {
         }
     })
     .map_err(|e: std::io::Error| format!("agent: {e}"))
+}
+
+/// The host's virtio-fs shares at their paths. The shares' devices probe while the modules
+/// load, so each is given a few seconds to appear.
+fn mount_volumes(volumes: &[link_handshake::GuestVolume]) -> Result<(), String> {
+    for v in volumes {
+        fs::create_dir_all(&v.target).map_err(|e| format!("create the volume path {}: {e}", v.target))?;
+        let flags = libc::MS_NOSUID | libc::MS_NODEV | if v.read_only { libc::MS_RDONLY } else { 0 };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match mount(&v.tag, &v.target, "virtiofs", flags, "") {
+                Ok(()) => break,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!("volume {} not ready yet: {e}", v.tag);
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    if !volumes.is_empty() {
+        step("volumes mounted");
+    }
+    Ok(())
 }
 
 fn set_hostname(name: &str) -> Result<(), String> {

@@ -53,7 +53,13 @@ pub fn ensure(vm_dir: &Path, exe: &Path, progress: &mut dyn Progress) -> Result<
 pub fn current_kernel(kdir: &Path) -> Option<String> {
     let v = fs::read_to_string(kdir.join("current")).ok()?.trim().to_string();
     let k = kdir.join(&v);
-    (k.join("vmlinux").is_file() && k.join("modules/order").is_file()).then_some(v)
+    // A kit made for fewer modules than are wanted now is made again.
+    let wanted = fs::read_to_string(k.join("modules/wanted")).ok()?;
+    (k.join("vmlinux").is_file() && k.join("modules/order").is_file() && wanted == wanted_list()).then_some(v)
+}
+
+fn wanted_list() -> String {
+    modules::WANTED.join("\n") + "\n"
 }
 
 const STAGES: usize = 5;
@@ -126,6 +132,7 @@ fn build_kernel(kdir: &Path, progress: &mut dyn Progress) -> Result<String, VmEr
         fs::write(mdir.join(format!("{name}.ko")), &unpacked.modules[name].data).map_err(io("write module"))?;
     }
     fs::write(mdir.join("order"), order.join("\n") + "\n").map_err(io("write module order"))?;
+    fs::write(mdir.join("wanted"), wanted_list()).map_err(io("write the wanted modules"))?;
     let dest = kdir.join(&version);
     let _ = fs::remove_dir_all(&dest);
     fs::rename(&staged, &dest).map_err(io(format!("install kernel into {}", dest.display())))?;

@@ -27,6 +27,7 @@ pub mod guest_kit;
 mod modules;
 pub mod link_handshake;
 mod qmp;
+pub mod shares;
 pub mod snapshot;
 pub mod vmlinux;
 pub mod vmm;
@@ -99,6 +100,8 @@ pub struct VmConfig {
     pub id: String,
     pub limits: Limits,
     pub agent: cordon_agent::AgentConfig,
+    /// Volumes, shared over virtio-fs (see [`shares`]).
+    pub volumes: Vec<cordon_spec::VolumeMount>,
 }
 
 /// The kit, acceleration and disk one image's VMs boot from.
@@ -182,7 +185,9 @@ impl VmTier {
         if memory_mib < MIN_MEMORY_MIB {
             return Err(VmError::BadRequest(format!("the vm tier needs a memory cap of at least {MIN_MEMORY_MIB}M (the guest kernel and agent live in it)")));
         }
-        if !snapshot::enabled() || !self.vmm.snapshots() {
+        // A snapshot's machine has no virtio-fs devices (and shared memory of its own): a VM
+        // with volumes boots with them.
+        if !snapshot::enabled() || !self.vmm.snapshots() || !cfg.volumes.is_empty() {
             return self.boot(cfg, prep, Start::Cold);
         }
         match self.snapshot_for(cfg, prep) {
@@ -312,6 +317,7 @@ impl VmTier {
         let cgroup_files = plan.cgroups(&vm.cgroup.procs_files()).map_err(io_err("open cgroup.procs"))?;
         plan.pass_fd(vmm_end.as_raw_fd(), CHANNEL_FD);
         let mut spec = boot_spec(cfg, prep);
+        vm.shares = shares::Shares::start(&cfg.volumes, vm.entry.dir(), uid, &vm.cgroup.procs_files(), &mut plan, &mut spec)?;
         // Descriptors the VMM gets for this start, kept open until it has them.
         let mut passed: Vec<OwnedFd> = Vec::new();
         // Every VM has a monitor, the host's only: a template's state is saved through it, and
@@ -388,6 +394,7 @@ impl VmTier {
             key: self.boot_key(cfg, prep)?,
             console: Arc::new(Mutex::new(VecDeque::new())),
             accel: prep.accel.accel,
+            shares: Default::default(),
             torn_down: false,
         };
         let slot = self.slots.acquire().ok_or_else(|| VmError::BadRequest("no free uid range for the VMM".into()))?;
@@ -506,7 +513,7 @@ enum Handshake {
 fn guest_config(cfg: &VmConfig) -> Result<link_handshake::GuestConfig, VmError> {
     let mut seed = vec![0u8; 32];
     getrandom::fill(&mut seed).map_err(|e| VmError::Io { what: "seed for the guest".into(), source: io::Error::other(e) })?;
-    Ok(link_handshake::GuestConfig { hostname: cfg.id.clone(), agent: cfg.agent.clone(), seed })
+    Ok(link_handshake::GuestConfig { hostname: cfg.id.clone(), agent: cfg.agent.clone(), seed, volumes: shares::guest_volumes(&cfg.volumes) })
 }
 
 /// The boot as the VMM sees it inside its jail. Nothing in it names one VM, so VMs with the
@@ -528,6 +535,7 @@ fn boot_spec(cfg: &VmConfig, prep: &Prepared) -> vmm::BootSpec {
         channel_fd: Some(CHANNEL_FD),
         incoming_fd: None,
         monitor_fd: None,
+        shares: Vec::new(),
     }
 }
 
@@ -668,6 +676,8 @@ pub struct Vm {
     key: String,
     console: Arc<Mutex<VecDeque<u8>>>,
     accel: Accel,
+    /// The daemons serving its volumes.
+    shares: shares::Shares,
     torn_down: bool,
 }
 
@@ -947,6 +957,7 @@ impl Vm {
             return Ok(());
         }
         self.torn_down = true;
+        self.shares.stop();
         self.kill();
         // A thread waiting to wake a parked guest hears that it never will.
         self.link.take();

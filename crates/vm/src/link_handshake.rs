@@ -39,6 +39,17 @@ pub struct GuestConfig {
     /// VMs restored from one snapshot would otherwise share the RNG state it holds.
     #[serde(default)]
     pub seed: Vec<u8>,
+    /// Volumes shared by the host over virtio-fs, mounted at their paths before the agent starts.
+    #[serde(default)]
+    pub volumes: Vec<GuestVolume>,
+}
+
+/// A virtio-fs share (its tag) and where it goes.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct GuestVolume {
+    pub tag: String,
+    pub target: String,
+    pub read_only: bool,
 }
 
 pub fn encode(cfg: &GuestConfig) -> Vec<u8> {
@@ -197,6 +208,7 @@ mod tests {
                 isolate_commands: false,
             },
             seed: vec![7; 32],
+            volumes: vec![GuestVolume { tag: "cordon-vol0".into(), target: "/data".into(), read_only: true }],
         }
     }
 

@@ -60,6 +60,9 @@ pub struct BootSpec {
     pub incoming_fd: Option<i32>,
     /// A QMP monitor on this socket descriptor (template VMs only, to save their state).
     pub monitor_fd: Option<i32>,
+    /// virtio-fs shares: (vhost-user socket path inside the jail, tag). Their daemons map the
+    /// guest's memory, which is then a shared memfd.
+    pub shares: Vec<(PathBuf, String)>,
 }
 
 pub trait Vmm: Send + Sync {
@@ -187,6 +190,26 @@ impl Vmm for Qemu {
                     format!("virtserialport,chardev=agent,name={}", crate::guest::PORT_NAME),
                 ],
             );
+        }
+        if !s.shares.is_empty() {
+            a.extend([
+                "-object".to_string(),
+                format!("memory-backend-memfd,id=mem,size={}M,share=on", s.memory_mib),
+                "-machine".into(),
+                "memory-backend=mem".into(),
+                // vhost-user devices speak modern virtio only; microvm's mmio transport is
+                // legacy unless told otherwise.
+                "-global".into(),
+                "virtio-mmio.force-legacy=false".into(),
+            ]);
+            for (i, (socket, tag)) in s.shares.iter().enumerate() {
+                a.extend([
+                    "-chardev".to_string(),
+                    format!("socket,id=vfs{i},path={}", socket.display()),
+                    "-device".into(),
+                    format!("vhost-user-fs-device,chardev=vfs{i},tag={tag}"),
+                ]);
+            }
         }
         if let Some(fd) = s.monitor_fd {
             a.extend(["-chardev".to_string(), format!("socket,id=monitor,fd={fd}"), "-mon".into(), "chardev=monitor,mode=control".into()]);
