@@ -42,6 +42,18 @@ fn host_checks(state: &State) -> Vec<Finding> {
             "apt-get install mmdebstrap",
         ),
     });
+    out.push(match (cordon_host::sys::which("mkfs.ext4"), Path::new("/dev/loop-control").exists()) {
+        (Some(_), true) => Finding::ok(
+            "volumes",
+            if Path::new(cordon_vm::shares::VIRTIOFSD).is_file() {
+                "mkfs.ext4, loop devices; virtiofsd for the vm tier"
+            } else {
+                "mkfs.ext4, loop devices (no virtiofsd: VMs cannot mount volumes; apt-get install qemu-system-common)"
+            },
+        ),
+        (None, _) => Finding::warn("volumes", "mkfs.ext4 is missing: volumes cannot be created", "apt-get install e2fsprogs"),
+        (_, false) => Finding::warn("volumes", "no /dev/loop-control: volumes cannot be mounted", "modprobe loop"),
+    });
     let images = state.images().ok().and_then(|s| s.list().ok()).unwrap_or_default();
     out.push(if images.iter().any(|i| i.name == "base") {
         Finding::ok("image base", format!("in {}", state.dir().display()))

@@ -50,6 +50,10 @@ pub struct McpArgs {
     /// DNS server the egress forwarder resolves allowed names with (default: the host's).
     #[arg(long = "dns-upstream", env = "CORDON_DNS_UPSTREAM", value_name = "IP:PORT")]
     dns_upstream: Option<String>,
+    /// Mount a volume in every sandbox (`cordon volume create`), e.g. the agent's workspace
+    /// that outlives each session: NAME:/PATH, or NAME:/PATH:ro (repeatable).
+    #[arg(long = "volume", value_name = "NAME:/PATH[:ro]")]
+    volume: Vec<String>,
 }
 
 fn config_from(a: &McpArgs) -> Result<cordon_mcp::Config> {
@@ -75,7 +79,11 @@ fn config_from(a: &McpArgs) -> Result<cordon_mcp::Config> {
         tier: a.tier.parse().map_err(|e: cordon_spec::SpecError| usage(format!("--tier: {}", e.reason)))?,
         network: cordon_spec::NetworkPolicy::parse(&a.allow_net, &a.deny_net)
             .map_err(|e| usage(format!("--allow-net: {}", e.reason)))?,
+        volumes: Vec::new(),
     };
+    for v in &a.volume {
+        crate::volume_cmd::parse_mount(v)?;
+    }
     cfg.validate().map_err(usage)?;
     Ok(cfg)
 }
@@ -89,9 +97,16 @@ pub fn main(state: &State, a: McpArgs) -> Result<u8> {
             addr.port()
         )));
     }
-    crate::tiers::capabilities(cfg.tier).check_network(cfg.tier, &cfg.network).map_err(|e| usage(e.to_string()))?;
+    let caps = crate::tiers::capabilities(cfg.tier);
+    caps.check_network(cfg.tier, &cfg.network).map_err(|e| usage(e.to_string()))?;
+    if !a.volume.is_empty() && !caps.volumes {
+        return Err(usage(format!("--volume: the {} tier cannot mount volumes", cfg.tier)));
+    }
     let dns_upstream = crate::preflight::dns_upstream(a.dns_upstream.as_deref())?;
     crate::preflight::require_root("cordon mcp needs root (sandboxes need cgroups and idmapped mounts): run it as root")?;
+    // Held (and mounted on the host) for as long as this serves: no `cordon volume rm` under it.
+    let (mounts, _volumes) = crate::volume_cmd::attach(state, &a.volume)?;
+    let cfg = cordon_mcp::Config { volumes: mounts, ..cfg };
     cordon_jail::become_subreaper();
     cordon_host::orphans::start();
     // Opening the tier reaps whatever a crashed cordon left behind, and refuses a tier this

@@ -328,6 +328,34 @@ async fn eof_before_any_call_leaves_nothing() {
     assert!(after <= runs, "a sandbox record appeared: {runs} -> {after}");
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_is_the_workspace_that_outlives_each_session() {
+    require_root!();
+    let name = format!("mcp-ws-{}", std::process::id());
+    let made = cordon().args(["volume", "create", &name, "--size", "64M"]).output().unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let flag = format!("{name}:/workspace");
+    // Two sessions one after the other, as an agent's would be: the second finds the first's work.
+    let mut s = start(&["--volume", &flag]).await;
+    let r = run_of(&call(&s, "run_command", json!({"command": "echo kept > /workspace/notes && id -u && ls -ln /workspace"})).await);
+    assert_eq!(r["exit_code"], 0, "{r}");
+    assert!(r["stdout"].as_str().unwrap().contains(" 1000 1000 "), "{r}");
+    // Held while it serves: not deletable.
+    let rm = cordon().args(["volume", "rm", &name]).output().unwrap();
+    assert_eq!(rm.status.code(), Some(2), "{}", String::from_utf8_lossy(&rm.stderr));
+    assert!(String::from_utf8_lossy(&rm.stderr).contains("in use"), "{}", String::from_utf8_lossy(&rm.stderr));
+    s.client.cancel().await.unwrap();
+    assert!(wait_exit(&mut s.child).await.success());
+
+    let mut s = start(&["--volume", &flag]).await;
+    let r = call(&s, "read_file", json!({"path": "/workspace/notes"})).await;
+    assert!(!is_error(&r) && text(&r).contains("kept"), "{}", text(&r));
+    s.client.cancel().await.unwrap();
+    assert!(wait_exit(&mut s.child).await.success());
+    let rm = cordon().args(["volume", "rm", &name]).output().unwrap();
+    assert!(rm.status.success(), "{}", String::from_utf8_lossy(&rm.stderr));
+}
+
 #[test]
 fn bad_flags_are_one_line_usage_errors() {
     require_root!();

@@ -30,6 +30,9 @@ pub struct Config {
     pub tier: cordon_spec::Tier,
     /// Egress allowlist of every sandbox; empty: loopback only.
     pub network: cordon_spec::NetworkPolicy,
+    /// Volumes every sandbox mounts (an agent's workspace that outlives its sessions), held in
+    /// use by whoever made the config for as long as it serves.
+    pub volumes: Vec<cordon_spec::VolumeMount>,
 }
 
 impl Default for Config {
@@ -46,6 +49,7 @@ impl Default for Config {
             network: cordon_spec::NetworkPolicy::default(),
             max_file: 8 << 20,
             max_entries: 1000,
+            volumes: Vec::new(),
         }
     }
 }

@@ -82,6 +82,7 @@ impl Pool {
             // Each call has its own timeout; the sandbox lives as long as the session.
             limits: served::limits(c.memory_mb, c.cpus, c.disk_mb),
             network: c.network.clone(),
+            volumes: c.volumes.clone(),
             ..Default::default()
         };
         let started = Instant::now();
