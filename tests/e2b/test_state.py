@@ -431,16 +431,39 @@ def test_gvisor_pause_resume_and_fork():
         assert sbx.files.read("/home/user/kept") == "on gvisor"
         assert sbx.commands.run(probe).stdout == before
         assert not sbx.files.exists("/etc/motd")
-        (fork,) = sbx.fork(timeout=60)
+        # A fork copies the processes too: the source is paused to disk, each fork restored
+        # from that save under its own name, the source resumed from it.
+        sleeper = sbx.commands.run("sleep 3600", background=True).pid
+        end_before = Sandbox.get_info(sid).end_at
+        r = httpx.post(f"{API_URL}/sandboxes/{sid}/fork", headers=HEADERS, json={"count": 2, "timeout": 60}, timeout=300)
+        assert r.status_code == 201, r.text
+        entries = r.json()
+        assert all("sandbox" in f and f["sandbox"]["forkMode"] == "memory" for f in entries), entries
+        forks = [Sandbox.connect(f["sandbox"]["sandboxID"]) for f in entries]
         try:
-            assert not isinstance(fork, Exception), fork
-            assert fork.files.read("/home/user/kept") == "on gvisor"
-            assert fork.commands.run("uname -r").stdout == sbx.commands.run("uname -r").stdout, "a fork of a gvisor sandbox is a gvisor sandbox"
+            for fork in forks:
+                assert fork.sandbox_id != sid
+                assert fork.files.read("/home/user/kept") == "on gvisor"
+                assert fork.commands.run(f"kill -0 {sleeper} && echo alive").stdout.strip() == "alive", "a fork has the source's processes"
+                assert fork.commands.run("hostname").stdout.strip() == fork.sandbox_id
+                assert fork.commands.run("uname -r").stdout == sbx.commands.run("uname -r").stdout, "a fork of a gvisor sandbox is a gvisor sandbox"
+            forks[0].files.write("/home/user/kept", "in fork 0")
+            assert forks[1].files.read("/home/user/kept") == "on gvisor"
+            # The source is back, the same sandbox: its processes, name, files and deadline.
+            assert sbx.commands.run(f"kill -0 {sleeper} && echo alive").stdout.strip() == "alive"
+            assert sbx.commands.run("hostname").stdout.strip() == sid
+            assert sbx.files.read("/home/user/kept") == "on gvisor"
+            assert Sandbox.get_info(sid).end_at == end_before
+            assert glob.glob(f"{STATE_DIR}/paused/{sid}.mem") == [], "the fork's save goes once the source is back"
         finally:
-            fork.kill()
+            for fork in forks:
+                fork.kill()
     finally:
         sbx.kill()
     assert saved_state(sbx.sandbox_id) == []
+    # The source ran on an image of its own (its files' pause): the pause with memory kept it for
+    # the resume, each fork ran on a copy, and every one went with its sandbox.
+    assert not glob.glob(f"{STATE_DIR}/images/own-*") and not glob.glob(f"{STATE_DIR}/images/paused-{sid}-*")
 
 
 def test_a_gvisor_sandbox_with_a_network_policy_pauses_in_place():

@@ -286,3 +286,43 @@ def test_mounts_survive_pause_and_resume_and_hold_the_volume(volume):
     finally:
         sbx.kill()
     assert volume.read_file("/f") == "before\nafter\n"
+
+
+def test_a_fork_mounts_the_source_s_volumes(volume):
+    sbx = Sandbox.create(timeout=120, volume_mounts={"/data": volume})
+    try:
+        sbx.commands.run("echo from the source > /data/src && echo private > /home/user/own")
+        (fork,) = sbx.fork(timeout=60)
+        try:
+            assert not isinstance(fork, Exception), fork
+            detail = httpx.get(f"{API_URL}/sandboxes/{fork.sandbox_id}", headers=HEADERS).json()
+            assert detail["volumeMounts"] == [{"name": volume.name, "path": "/data"}]
+            # The volume is the same one, not a copy: writes cross both ways.
+            fork.commands.run("echo from the fork > /data/fork")
+            assert sbx.commands.run("cat /data/fork").stdout == "from the fork\n"
+            assert fork.commands.run("cat /data/src /home/user/own").stdout == "from the source\nprivate\n"
+        finally:
+            fork.kill()
+    finally:
+        sbx.kill()
+    assert volume.read_file("/fork") == "from the fork\n"
+
+
+@needs_runsc
+def test_a_gvisor_pause_to_disk_restores_its_volume(volume):
+    sbx = create_gvisor(volumeMounts=[{"name": volume.name, "path": "/data"}])
+    try:
+        # A process holding a file on the volume open across the pause.
+        sbx.commands.run("echo before > /data/f")
+        pid = sbx.commands.run("exec 3>>/data/f; sleep 3600", background=True).pid
+        assert sbx.pause()
+        raw = httpx.get(f"{API_URL}/sandboxes/{sbx.sandbox_id}", headers=HEADERS).json()
+        assert (raw["state"], raw["volumeMounts"]) == ("paused", [{"name": volume.name, "path": "/data"}]), raw
+        volume.write_file("/meanwhile", "written while paused")
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        assert sbx.commands.run(f"kill -0 {pid} && echo alive").stdout.strip() == "alive"
+        assert sbx.commands.run("cat /data/f /data/meanwhile").stdout == "before\nwritten while paused"
+        sbx.commands.run("echo after >> /data/f")
+    finally:
+        sbx.kill()
+    assert volume.read_file("/f") == "before\nafter\n"

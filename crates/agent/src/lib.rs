@@ -417,10 +417,39 @@ fn start() -> Result<(), StartError> {
     Ok(())
 }
 
+/// The hostname, and the line of /etc/hosts that resolves it, of a sandbox renamed.
+fn rename(name: &str) -> std::io::Result<()> {
+    // SAFETY: pointer and length of a live byte slice.
+    if unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open("/etc/hosts") {
+        use std::io::Write;
+        let _ = writeln!(f, "127.0.1.1\t{name}");
+    }
+    Ok(())
+}
+
 /// Entry point when the binary runs as `cordon-agent`: reads the socket and config from the
 /// environment and serves until the sandbox is torn down. Exits non-zero with a message on
 /// stderr when it cannot start.
 pub fn main() -> ! {
+    // `cordon-agent --rename NAME`: run by the host in a sandbox restored under another name (a
+    // gvisor fork), where the restored kernel still holds the source's hostname. Changing it
+    // takes CAP_SYS_ADMIN, which only the host's exec grants; in the sandbox's own processes
+    // this fails.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, name] = args.as_slice() {
+        if flag == "--rename" {
+            match rename(name) {
+                Ok(()) => std::process::exit(0),
+                Err(e) => {
+                    eprintln!("cordon-agent: rename to {name}: {e}");
+                    std::process::exit(1)
+                }
+            }
+        }
+    }
     match start() {
         Ok(()) => std::process::exit(0),
         Err(e) => {

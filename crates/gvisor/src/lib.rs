@@ -233,6 +233,13 @@ impl Gvisor {
         sb.link = Some(launch::serve_link(launched.from_agent, launched.to_agent, listener, opening)?);
         sb.write_record()?;
         sb.wait_ready()?;
+        // gVisor restores the hostname its kernel had: a copy restored under another id (a
+        // fork) is renamed, by an exec with the one capability that takes.
+        if let Some(saved) = &cfg.restore {
+            if fs::read_to_string(saved.join(SAVED_ID)).is_ok_and(|id| id != cfg.id) {
+                sb.runsc_in(&["exec", "--cap", "CAP_SYS_ADMIN"], &[bundle::AGENT_PATH, "--rename", &cfg.id])?;
+            }
+        }
         // runsc's own processes (its sandbox and gofer) outlive the `runsc run` that started
         // them and fall to cordon when they exit, whether killed or ended by a checkpoint.
         sb.held = sb.cgroup.pidfds();
@@ -244,6 +251,8 @@ impl Gvisor {
 /// What a saved sandbox must be restored with: the runsc that saved it, its platform and its
 /// image's layers (gVisor reopens the sandbox's files by path).
 const SAVED_KEY: &str = "key";
+/// The saved sandbox's id: a restore under another id (a fork) renames the sandbox.
+const SAVED_ID: &str = "id";
 
 impl Gvisor {
     fn key(&self, layers: &[PathBuf]) -> String {
@@ -312,12 +321,17 @@ impl Sandbox {
     /// Runs `runsc <args> <id>` on this sandbox's runsc state, in its network namespace: runsc
     /// reaches the sandbox through an abstract socket, which only that namespace sees.
     fn runsc_cmd(&self, args: &[&str]) -> Result<(), GvisorError> {
+        self.runsc_in(args, &[])
+    }
+
+    /// `runsc <args> <id> <after>`, as [`Sandbox::runsc_cmd`].
+    fn runsc_in(&self, args: &[&str], after: &[&str]) -> Result<(), GvisorError> {
         use std::os::unix::process::CommandExt;
         let pid = self.host_pid().ok_or_else(|| GvisorError::Setup("the sandbox is not running".into()))?;
         let netns = fs::File::open(format!("/proc/{pid}/ns/net")).map_err(io_err("open the sandbox's network namespace"))?;
         let ns = netns.as_raw_fd();
         let mut cmd = std::process::Command::new(&self.runsc);
-        cmd.arg(format!("--root={}", self.entry.dir().join("runsc").display())).args(args).arg(&self.id).stdin(std::process::Stdio::null());
+        cmd.arg(format!("--root={}", self.entry.dir().join("runsc").display())).args(args).arg(&self.id).args(after).stdin(std::process::Stdio::null());
         // SAFETY: one syscall on a descriptor opened above, between fork and exec.
         unsafe {
             cmd.pre_exec(move || if libc::setns(ns, libc::CLONE_NEWNET) == 0 { Ok(()) } else { Err(io::Error::last_os_error()) });
@@ -392,6 +406,7 @@ impl Sandbox {
             if !out.status.success() {
                 return Err(GvisorError::Setup(format!("copy the writable layer: {}", String::from_utf8_lossy(&out.stderr).trim())));
             }
+            fs::write(dir.join(SAVED_ID), &self.id).map_err(io_err("write the saved sandbox's id"))?;
             fs::write(dir.join(SAVED_KEY), &self.key).map_err(io_err("write the saved sandbox's key"))
         })();
         drop(mnt);

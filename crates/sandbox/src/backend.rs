@@ -28,6 +28,11 @@ pub struct Capabilities {
     /// ([`Sandbox::checkpoint`]) and started again from there (`SandboxSpec::restore`): a pause
     /// that frees its memory, a fork that copies its processes.
     pub checkpoint: bool,
+    /// A checkpoint can leave the sandbox running ([`Sandbox::checkpoint`] with
+    /// `keep_running`): a fork copies its processes without stopping it. Without it (gvisor,
+    /// whose runsc ends a sandbox it checkpoints) the source is paused to disk for the fork and
+    /// resumed from the same save.
+    pub checkpoint_keeps_running: bool,
     /// A sandbox's writable disk can be kept whole ([`Sandbox::keep_disk`]) and a sandbox
     /// started afresh on it (`SandboxSpec::disk_from`): a files-only pause on a tier whose
     /// files the host must not read itself (a VM's disk image, written by its guest kernel).

@@ -379,13 +379,15 @@ impl Sandboxes {
             volume_mounts: req.volume_mounts,
             volume_leases: Mutex::new(leases),
         });
+        // A create that fails leaves the image it was given to its caller (a resume puts its
+        // record back, a fork or a snapshot's create deletes its own copy): only the instance goes.
         if let Err(e) = cordon_envd::EnvdClient::new(socket.to_path_buf()).wait_healthy(READY_TIMEOUT).await {
-            self.destroy(&entry).await;
+            destroy(&entry).await;
             return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
         }
         if let Some(start) = &start_command {
             if let Err(e) = crate::start_command::run(&socket, start, slowdown).await {
-                self.destroy(&entry).await;
+                destroy(&entry).await;
                 tracing::warn!(sandbox = %entry.id, template = %entry.template, "start command failed: {e}");
                 return Err(ApiError::internal(format!("template '{}': {e}", entry.template)));
             }
@@ -497,8 +499,12 @@ impl Sandboxes {
     /// Destroys a sandbox taken out of the registry, and the image only it used.
     pub(crate) async fn destroy(&self, entry: &Arc<LiveSandbox>) {
         destroy(entry).await;
+        // Not an image a paused sandbox's record took over (a pause with memory or of the disk
+        // of a sandbox that ran on its own image): it goes with that record.
         if let (Some(image), Some(saved)) = (&entry.own_image, &self.saved) {
-            saved.drop_image(image).await;
+            if !saved.names_image(image) {
+                saved.drop_image(image).await;
+            }
         }
     }
 

@@ -67,6 +67,10 @@ pub struct Record {
     /// Its volumes, mounted again where they were at a resume.
     #[serde(default, rename = "volumeMounts")]
     pub volume_mounts: Vec<crate::volumes::MountRequest>,
+    /// `image` is the sandbox's own (it ran on one: resumed from its files, a snapshot's, a
+    /// fork's), to be deleted with it, not its template's.
+    #[serde(default)]
+    pub owns_image: bool,
 }
 
 impl Record {
@@ -76,7 +80,7 @@ impl Record {
             tier: self.tier,
             template: self.template.clone(),
             image: self.image.clone(),
-            own_image: (self.memory.is_none() && self.disk.is_none()).then(|| self.image.clone()),
+            own_image: self.owns().then(|| self.image.clone()),
             lifecycle: self.lifecycle,
             timeout,
             metadata: self.metadata.clone(),
@@ -90,6 +94,12 @@ impl Record {
             disk_from: None,
             volume_mounts: self.volume_mounts.clone(),
         }
+    }
+
+    /// Whether `image` goes with this sandbox: always for a pause to its files (the image is
+    /// made by the pause), and for the other pauses when it ran on an image of its own.
+    pub fn owns(&self) -> bool {
+        self.owns_image || (self.memory.is_none() && self.disk.is_none())
     }
 
     pub fn started_at(&self) -> SystemTime {
@@ -266,15 +276,21 @@ impl Saved {
         r.kept_dir_name().map(|m| self.dir.join(m))
     }
 
-    /// Deletes what a paused sandbox kept (its record is taken already): its saved memory, or
-    /// its image and the layers only it named.
+    /// Deletes what a paused sandbox kept (its record is taken already): its saved memory or
+    /// disk, and its own image with the layers only it named.
     async fn drop_kept(&self, r: &Record) {
-        match self.kept_dir(r) {
-            Some(dir) => {
-                let _ = tokio::task::spawn_blocking(move || fs::remove_dir_all(dir)).await;
-            }
-            None => self.drop_image(&r.image).await,
+        if let Some(dir) = self.kept_dir(r) {
+            let _ = tokio::task::spawn_blocking(move || fs::remove_dir_all(dir)).await;
         }
+        if r.owns() {
+            self.drop_image(&r.image).await;
+        }
+    }
+
+    /// Whether a paused sandbox's record names `image` (which then outlives the live sandbox
+    /// that ran on it).
+    pub fn names_image(&self, image: &str) -> bool {
+        self.lock().values().any(|r| r.image == image)
     }
 
     /// Deletes a resumed sandbox's record, and its saved memory (the sandbox runs on a copy).
@@ -302,11 +318,11 @@ impl Saved {
             if let Some(r) = self.take(&id) {
                 self.forget(&id);
                 tracing::info!(sandbox = %id, "paused sandbox deleted: paused for longer than --paused-ttl");
-                match self.kept_dir(&r) {
-                    Some(dir) => {
-                        let _ = fs::remove_dir_all(dir);
-                    }
-                    None => self.drop_image_now(&r.image),
+                if let Some(dir) = self.kept_dir(&r) {
+                    let _ = fs::remove_dir_all(dir);
+                }
+                if r.owns() {
+                    self.drop_image_now(&r.image);
                 }
             }
         }
@@ -362,22 +378,33 @@ impl Saved {
         tokio::task::spawn_blocking(move || capture_meta(&store, &e, source)).await.map_err(|e| ApiError::internal(e.to_string()))?
     }
 
-    /// The files of running sandbox `id`, for a snapshot or a fork (`what`): frozen for as long
-    /// as the capture takes, then thawed, whatever the capture did. A sandbox that is unknown,
-    /// paused (`paused`), on a tier that keeps no files, or past the budget is refused.
-    pub async fn capture_running(&self, sandboxes: &crate::registry::Sandboxes, id: &str, what: &str, paused: impl Fn() -> ApiError) -> Result<(Arc<LiveSandbox>, cordon_image::ImageMeta), ApiError> {
+    /// Running sandbox `id`, for a snapshot or a fork: unknown is a 404, paused is `paused`.
+    fn running(&self, sandboxes: &crate::registry::Sandboxes, id: &str, paused: &impl Fn() -> ApiError) -> Result<Arc<LiveSandbox>, ApiError> {
         if self.get(id).is_some() {
             return Err(paused());
         }
-        let not_found = || ApiError::not_found(format!("sandbox {id} not found"));
-        let e = sandboxes.get(id).ok_or_else(not_found)?;
-        let _turn = e.transition.lock().await;
-        if !sandboxes.get(id).is_some_and(|now| Arc::ptr_eq(&now, &e)) {
-            return Err(if self.get(id).is_some() { paused() } else { not_found() });
+        sandboxes.get(id).ok_or_else(|| ApiError::not_found(format!("sandbox {id} not found")))
+    }
+
+    /// Whether `e` is still sandbox `id`, running, now that its turn has come: it may have been
+    /// killed, paused or paused to disk while this waited.
+    fn still_running(&self, sandboxes: &crate::registry::Sandboxes, id: &str, e: &Arc<LiveSandbox>, paused: &impl Fn() -> ApiError) -> Result<(), ApiError> {
+        if !sandboxes.get(id).is_some_and(|now| Arc::ptr_eq(&now, e)) {
+            return Err(if self.get(id).is_some() { paused() } else { ApiError::not_found(format!("sandbox {id} not found")) });
         }
         if e.frozen_at().is_some() {
             return Err(paused());
         }
+        Ok(())
+    }
+
+    /// The files of running sandbox `id`, for a snapshot or a fork (`what`): frozen for as long
+    /// as the capture takes, then thawed, whatever the capture did. A sandbox that is unknown,
+    /// paused (`paused`), on a tier that keeps no files, or past the budget is refused.
+    pub async fn capture_running(&self, sandboxes: &crate::registry::Sandboxes, id: &str, what: &str, paused: impl Fn() -> ApiError) -> Result<(Arc<LiveSandbox>, cordon_image::ImageMeta), ApiError> {
+        let e = self.running(sandboxes, id, &paused)?;
+        let _turn = e.transition.lock().await;
+        self.still_running(sandboxes, id, &e, &paused)?;
         if !e.with_instance(false, |i| i.writable_layer().is_some()) {
             return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("the {} tier cannot keep a sandbox's files yet: no {what} of it", e.tier)).no_retry());
         }
@@ -392,18 +419,10 @@ impl Saved {
     /// that saves it to disk; the sandbox goes on where it was. Refused as
     /// [`Saved::capture_running`] refuses.
     pub async fn checkpoint_running(&self, sandboxes: &crate::registry::Sandboxes, id: &str, paused: impl Fn() -> ApiError) -> Result<(Arc<LiveSandbox>, KeptMemory), ApiError> {
-        if self.get(id).is_some() {
-            return Err(paused());
-        }
-        let not_found = || ApiError::not_found(format!("sandbox {id} not found"));
-        let e = sandboxes.get(id).ok_or_else(not_found)?;
+        let e = self.running(sandboxes, id, &paused)?;
         let _turn = e.transition.lock().await;
-        if !sandboxes.get(id).is_some_and(|now| Arc::ptr_eq(&now, &e)) {
-            return Err(if self.get(id).is_some() { paused() } else { not_found() });
-        }
-        if e.frozen_at().is_some() {
-            return Err(paused());
-        }
+        self.still_running(sandboxes, id, &e, &paused)?;
+        let not_found = || ApiError::not_found(format!("sandbox {id} not found"));
         if !e.with_instance(false, |i| i.checkpointable()) {
             return Err(unsaveable(&e));
         }
@@ -491,6 +510,7 @@ impl Saved {
         e.put_instance(instance);
         kept.map_err(|err| ApiError::internal(format!("cannot {what}: {err}")))?;
         let mut record = record_of(e, e.image.clone(), now);
+        record.owns_image = e.own_image.is_some();
         name_it(&mut record, name);
         if let Err(err) = self.write_record(&record) {
             let _ = fs::remove_dir_all(&dir);
@@ -604,6 +624,7 @@ fn record_of(e: &LiveSandbox, image: String, now: SystemTime) -> Record {
         memory: None,
         disk: None,
         volume_mounts: e.volume_mounts.clone(),
+        owns_image: false,
     }
 }
 

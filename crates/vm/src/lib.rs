@@ -816,31 +816,43 @@ impl Vm {
 
     /// Runs `sync` in the guest as root, through the agent, and waits for it.
     fn guest_sync(&self) -> Result<(), VmError> {
-        let socket = self.socket.clone();
         let deadline = Duration::from_secs(60) * self.accel.slowdown().max(1);
-        let ran = std::thread::spawn(move || -> Result<(), String> {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
-            rt.block_on(async {
-                let client = cordon_envd::EnvdClient::new(socket);
-                let req = cordon_envd::process::StartRequest {
-                    process: Some(cordon_envd::process::ProcessConfig { cmd: "/bin/sync".into(), args: Vec::new(), envs: Default::default(), cwd: None }),
-                    pty: None,
-                    tag: None,
-                    stdin: Some(false),
-                };
-                let run = async {
-                    let stream = client.start(req, Some("root"), None).await.map_err(|e| e.to_string())?;
-                    stream.collect().await.map_err(|e| e.to_string())
-                };
-                match tokio::time::timeout(deadline, run).await {
-                    Ok(Ok(out)) if out.end.as_ref().is_some_and(|e| e.exited && e.exit_code == 0) => Ok(()),
-                    Ok(Ok(out)) => Err(format!("sync did not succeed: {}", String::from_utf8_lossy(&out.stderr).trim())),
-                    Ok(Err(e)) => Err(e),
-                    Err(_) => Err(format!("no answer within {deadline:?}")),
-                }
-            })
+        let ran = self.ask_agent(move |client| async move {
+            let req = cordon_envd::process::StartRequest {
+                process: Some(cordon_envd::process::ProcessConfig { cmd: "/bin/sync".into(), args: Vec::new(), envs: Default::default(), cwd: None }),
+                pty: None,
+                tag: None,
+                stdin: Some(false),
+            };
+            let run = async {
+                let stream = client.start(req, Some("root"), None).await.map_err(|e| e.to_string())?;
+                stream.collect().await.map_err(|e| e.to_string())
+            };
+            match tokio::time::timeout(deadline, run).await {
+                Ok(Ok(out)) if out.end.as_ref().is_some_and(|e| e.exited && e.exit_code == 0) => Ok(()),
+                Ok(Ok(out)) => Err(format!("sync did not succeed: {}", String::from_utf8_lossy(&out.stderr).trim())),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(format!("no answer within {deadline:?}")),
+            }
         });
-        ran.join().map_err(|_| VmError::Boot("the guest sync thread panicked".into()))?.map_err(|e| VmError::Boot(format!("flush the guest's files: {e}")))
+        ran.ok_or_else(|| VmError::Boot("the guest sync thread failed".into()))?.map_err(|e| VmError::Boot(format!("flush the guest's files: {e}")))
+    }
+
+    /// One exchange with the guest's agent, `f` given a client on its socket: on a thread and a
+    /// runtime of its own, so that it can be called from async code and from plain threads
+    /// alike. `None` when the thread or its runtime failed.
+    fn ask_agent<T, F, Fut>(&self, f: F) -> Option<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(cordon_envd::EnvdClient) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = T>,
+    {
+        let socket = self.socket.clone();
+        let ran = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            Some(rt.block_on(f(cordon_envd::EnvdClient::new(socket))))
+        });
+        ran.join().ok().flatten()
     }
 
     /// Asks the agent to park its link and waits until it has.
@@ -889,17 +901,11 @@ impl Vm {
         if self.has_exited() {
             return None;
         }
-        let socket = self.socket.clone();
-        // Its own runtime on its own thread: callable from async code and from plain threads.
-        let read = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
-            rt.block_on(async {
-                let client = cordon_envd::EnvdClient::new(socket);
-                let b = tokio::time::timeout(Duration::from_secs(5), client.download_file("/proc/vmstat", Some("root"))).await.ok()?.ok()?;
-                Some(parse_vmstat_oom(&String::from_utf8_lossy(&b)))
-            })
-        });
-        read.join().ok().flatten()
+        self.ask_agent(|client| async move {
+            let b = tokio::time::timeout(Duration::from_secs(5), client.download_file("/proc/vmstat", Some("root"))).await.ok()?.ok()?;
+            Some(parse_vmstat_oom(&String::from_utf8_lossy(&b)))
+        })
+        .flatten()
     }
 
     /// Highest memory use of the VMM process (guest RAM it touched, plus its own), in bytes.
