@@ -326,3 +326,31 @@ def test_a_gvisor_pause_to_disk_restores_its_volume(volume):
     finally:
         sbx.kill()
     assert volume.read_file("/f") == "before\nafter\n"
+
+
+def test_a_paused_sandbox_holds_its_volume_across_a_server_restart():
+    from test_state import Server
+
+    srv = Server()
+    srv.start()
+    name = f"t-restart-{uuid.uuid4().hex[:8]}"
+    vid = srv.api("POST", "/volumes", json={"name": name}).json()["volumeID"]
+    try:
+        sbx = Sandbox.create(timeout=120, volume_mounts={"/data": name}, **srv.sdk())
+        sid = sbx.sandbox_id
+        sbx.commands.run("echo before > /data/f")
+        assert sbx.pause(mode="filesystem")
+        srv.stop()
+        srv.start()
+        # The new server holds it for the paused sandbox it read back.
+        r = srv.api("DELETE", f"/volumes/{vid}")
+        assert r.status_code == 409, r.text
+        again = Sandbox.connect(sid, **srv.sdk())
+        assert again.commands.run("cat /data/f").stdout == "before\n"
+        assert srv.api("GET", f"/sandboxes/{sid}").json()["volumeMounts"] == [{"name": name, "path": "/data"}]
+        again.kill()
+    finally:
+        srv.stop()
+        srv.start()
+        assert srv.api("DELETE", f"/volumes/{vid}").status_code == 204
+        srv.stop()
