@@ -577,6 +577,8 @@ fn vm_thread(
         }
     };
     drop(cmd); // closes our copies of the console pipe's write end
+    // Reaped here, however long after it exits (a saved VM's VMM waits for its teardown).
+    cordon_host::orphans::claim(child.id());
     let _ = tx.send(Ok(child.id() as i32));
     let reader = std::thread::spawn(move || {
         let mut f = fs::File::from(console_r);
@@ -641,6 +643,7 @@ fn vm_thread(
     // The link ends when the VMM exits (or is killed): reap it here, its parent thread.
     let _ = child.kill();
     let _ = child.wait();
+    cordon_host::orphans::release(child.id());
     let _ = reader.join();
 }
 
