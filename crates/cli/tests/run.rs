@@ -371,12 +371,14 @@ fn import_a_rootfs_tarball_and_run_it() {
 fn doctor_reports_every_feature() {
     let out = cordon().arg("doctor").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    for item in ["user namespaces", "overlayfs", "cgroups", "seccomp", "landlock", "kvm", "runsc", "qemu", "tier ns", "tier gvisor"] {
+    for item in ["user namespaces", "overlayfs", "cgroups", "seccomp", "landlock", "kvm", "runsc", "qemu", "tier ns", "tier gvisor", "volumes"] {
         assert!(text.contains(item), "doctor does not mention {item}:\n{text}");
     }
     if is_root() {
         assert!(out.status.success(), "doctor found something missing on a CI machine:\n{text}");
         assert!(text.contains("tier ns      available"), "{text}");
+        // The cost of a cgroup move, measured (root makes a cgroup for it).
+        assert!(text.contains("ms per process moved into a sandbox's cgroup"), "{text}");
         // Which pause applies here: this kind of host freezes sandboxes in place.
         assert!(text.contains("pause") && text.contains("frozen in place"), "doctor does not say how sandboxes pause:\n{text}");
         if Tier::Gvisor.unavailable().is_none() {
