@@ -354,3 +354,21 @@ def test_a_paused_sandbox_holds_its_volume_across_a_server_restart():
         srv.start()
         assert srv.api("DELETE", f"/volumes/{vid}").status_code == 204
         srv.stop()
+
+
+def test_a_read_only_volume_holds_against_sandbox_root():
+    name = f"t-ro-{uuid.uuid4().hex[:8]}"
+    subprocess.run([CORDON, "volume", "create", name, "--size", "16M"], check=True, capture_output=True)
+    try:
+        mnt = json.loads(subprocess.run([CORDON, "volume", "inspect", name], check=True, capture_output=True).stdout)["mountpoint"]
+        with open(os.path.join(mnt, "kept"), "w") as f:
+            f.write("kept")
+        out = subprocess.run(
+            [CORDON, "run", "--user", "root", "--volume", f"{name}:/d:ro", "--", "sh", "-c",
+             "mount -o remount,rw,bind /d; echo remount=$?; echo x > /d/kept; echo write=$?; touch /d/new; echo touch=$?"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert "remount=0" not in out.stdout and "write=0" not in out.stdout and "touch=0" not in out.stdout, out
+        assert open(os.path.join(mnt, "kept")).read() == "kept" and not os.path.exists(os.path.join(mnt, "new"))
+    finally:
+        subprocess.run([CORDON, "volume", "rm", name], check=True, capture_output=True)
