@@ -7,14 +7,13 @@ volume, and a pause keeps the mount where it can (files) and says why where it c
 import glob
 import os
 import subprocess
-import uuid
 
 import httpx
 import pytest
-from e2b import Sandbox, Volume
+from e2b import Sandbox
 
 from conftest import API_KEY, API_URL, needs_qemu
-from test_volumes import STATE, owners
+from test_volumes import STATE, owners, volume  # noqa: F401 (the fixture)
 
 pytestmark = needs_qemu
 
@@ -39,15 +38,6 @@ def virtiofsd_pids():
         if comm == "virtiofsd":
             pids[int(p.split("/")[2])] = int(rest[1])
     return sorted(pid for pid, ppid in pids.items() if ppid not in pids)
-
-
-@pytest.fixture
-def volume():
-    vol = Volume.create(f"t-vm-{uuid.uuid4().hex[:10]}")
-    try:
-        yield vol
-    finally:
-        Volume.destroy(vol.volume_id)
 
 
 def test_a_vm_and_an_ns_sandbox_share_a_volume(volume):

@@ -28,19 +28,38 @@ pub fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// Reaps the process of `pidfd` if it is a child of ours that has exited: true when it did.
-pub fn reap_pidfd(pidfd: &OwnedFd) -> bool {
+/// What waiting on a pidfd found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waited {
+    /// It had exited, and is reaped now.
+    Reaped,
+    /// Our child, still running (only without blocking).
+    Running,
+    /// Not our child: another process reaps it, or it has been reaped already.
+    NotOurs,
+}
+
+/// Waits for the process behind `pidfd`, blocking when `block` is set, and reaps it if it is
+/// our child. A pidfd names one process for good, so a reused pid is never waited for.
+pub fn pidfd_wait(pidfd: &OwnedFd, block: bool) -> io::Result<Waited> {
     const P_PIDFD: libc::idtype_t = 3;
-    // SAFETY: an all-zero siginfo_t is valid for waitid to fill in.
+    // SAFETY: zeroed siginfo is a valid output buffer for waitid.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    // SAFETY: waitid on a pidfd we own, with a valid siginfo_t to write into.
-    let r = unsafe { libc::waitid(P_PIDFD, pidfd.as_raw_fd() as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG) };
-    if r < 0 {
-        // ECHILD: not ours to reap (now).
-        return false;
+    let flags = libc::WEXITED | if block { 0 } else { libc::WNOHANG };
+    loop {
+        // SAFETY: valid pidfd and output pointer.
+        let r = unsafe { libc::waitid(P_PIDFD, pidfd.as_raw_fd() as libc::id_t, &mut info, flags) };
+        if r == 0 {
+            // SAFETY: reading si_pid of a siginfo filled by waitid; 0 when it has not exited.
+            return Ok(if block || unsafe { info.si_pid() } != 0 { Waited::Reaped } else { Waited::Running });
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::ECHILD) => return Ok(Waited::NotOurs),
+            _ => return Err(e),
+        }
     }
-    // SAFETY: waitid filled `info`; si_pid is 0 when the child has not exited yet.
-    unsafe { info.si_pid() != 0 }
 }
 
 /// Reaps whichever of these processes are cordon's children once they have exited, waiting
@@ -52,7 +71,7 @@ pub fn reap_all(held: &[(libc::pid_t, OwnedFd)], deadline: std::time::Duration) 
     let until = std::time::Instant::now() + deadline;
     for (pid, fd) in held {
         // Not ours yet may mean its parent has not exited yet: it is ours once it has.
-        while !reap_pidfd(fd) && std::fs::metadata(format!("/proc/{pid}")).is_ok() && std::time::Instant::now() < until {
+        while !matches!(pidfd_wait(fd, false), Ok(Waited::Reaped)) && std::fs::metadata(format!("/proc/{pid}")).is_ok() && std::time::Instant::now() < until {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }

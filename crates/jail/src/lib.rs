@@ -332,7 +332,7 @@ impl HostSandbox for Sandbox {
             // The init of a pid namespace exits only after the kernel has killed and reaped
             // every other process in it, so once it is reaped the sandbox is empty. It is our
             // child when we are a subreaper (the usual case): wait for it without polling.
-            let _ = sys::pidfd_reap(fd, true);
+            let _ = sys::pidfd_wait(fd, true);
         }
         let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
         let removed = self.cgroup.remove();

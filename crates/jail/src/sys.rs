@@ -9,7 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-pub use cordon_host::sys::{check, loopback_up, pidfd_open, send_fd_with};
+pub use cordon_host::sys::{check, loopback_up, pidfd_open, pidfd_wait, send_fd_with};
 
 // From <linux/mount.h>; libc does not export these yet.
 pub const OPEN_TREE_CLONE: libc::c_uint = 1;
@@ -144,38 +144,23 @@ pub fn mount_setattr(tree: &OwnedFd, attr_set: u64, userns: Option<&OwnedFd>) ->
 
 pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> io::Result<()> {
     let t = cpath(target)?;
-    let empty = c"";
-    // SAFETY: a detached tree fd and a valid target path string.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_move_mount,
-            tree.as_raw_fd(),
-            empty.as_ptr(),
-            libc::AT_FDCWD,
-            t.as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH,
-        )
-    };
-    check(r, &format!("move_mount to {}", target.display())).map(drop)
+    move_mount(tree, libc::AT_FDCWD, &t, 0, &format!("move_mount to {}", target.display()))
 }
 
 /// Attaches a detached tree on the directory open at `target` (not a path: one opened
 /// component by component, see `rootfs::dir_beneath`).
 pub fn move_mount_to_fd(tree: &OwnedFd, target: &OwnedFd) -> io::Result<()> {
     const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+    move_mount(tree, target.as_raw_fd(), c"", MOVE_MOUNT_T_EMPTY_PATH, "move_mount to a volume path")
+}
+
+/// `move_mount` of the detached `tree` to `to` relative to `to_dir`, with `to_flags` added.
+fn move_mount(tree: &OwnedFd, to_dir: RawFd, to: &CStr, to_flags: libc::c_uint, what: &str) -> io::Result<()> {
     let empty = c"";
-    // SAFETY: two fds we own and empty path strings that live across the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_move_mount,
-            tree.as_raw_fd(),
-            empty.as_ptr(),
-            target.as_raw_fd(),
-            empty.as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
-        )
-    };
-    check(r, "move_mount to a volume path").map(drop)
+    // SAFETY: a detached tree fd, a directory fd (or AT_FDCWD) and path strings that live
+    // across the call.
+    let r = unsafe { libc::syscall(libc::SYS_move_mount, tree.as_raw_fd(), empty.as_ptr(), to_dir, to.as_ptr(), MOVE_MOUNT_F_EMPTY_PATH | to_flags) };
+    check(r, what).map(drop)
 }
 
 /// Lazily unmounts whatever is mounted at `target`.
@@ -308,29 +293,6 @@ pub fn pidfd_kill(pidfd: &OwnedFd) -> io::Result<()> {
         // Already dead: the goal is reached.
         Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Ok(()),
         Err(e) => Err(e),
-    }
-}
-
-/// Reaps the process behind `pidfd`, blocking when `block` is set. Returns true once reaped.
-pub fn pidfd_reap(pidfd: &OwnedFd, block: bool) -> io::Result<bool> {
-    const P_PIDFD: libc::idtype_t = 3;
-    // SAFETY: zeroed siginfo is a valid output buffer for waitid.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    let flags = libc::WEXITED | if block { 0 } else { libc::WNOHANG };
-    loop {
-        // SAFETY: valid pidfd and output pointer.
-        let r = unsafe { libc::waitid(P_PIDFD, pidfd.as_raw_fd() as libc::id_t, &mut info, flags) };
-        if r == 0 {
-            // SAFETY: reading si_pid of a siginfo filled by waitid.
-            return Ok(unsafe { info.si_pid() } != 0 || block);
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EINTR) => continue,
-            // Not our child (e.g. reparented elsewhere) or already reaped.
-            Some(libc::ECHILD) => return Ok(true),
-            _ => return Err(e),
-        }
     }
 }
 

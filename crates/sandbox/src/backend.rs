@@ -52,14 +52,6 @@ impl Capabilities {
         Ok(())
     }
 
-    /// Refuses volumes on a tier that cannot bind them, rather than start without them.
-    pub fn check_volumes(&self, tier: Tier, spec: &SandboxSpec) -> Result<(), Error> {
-        if !spec.volumes.is_empty() && !self.volumes {
-            return Err(Error::BadRequest(format!("the {tier} tier cannot mount volumes yet: use the ns or gvisor tier")));
-        }
-        Ok(())
-    }
-
     /// Refuses to start from a saved sandbox on a tier that cannot save one, rather than start
     /// a fresh sandbox that looks like the saved one.
     pub fn check_restore(&self, tier: Tier, spec: &SandboxSpec) -> Result<(), Error> {

@@ -13,6 +13,8 @@ pub enum ServerError {
     Io { what: String, source: std::io::Error },
     #[error("{0}")]
     Config(String),
+    #[error("open the volume store: {0}")]
+    Volumes(#[from] cordon_volume::VolumeError),
 }
 
 /// An error answer of the control plane or the data plane.

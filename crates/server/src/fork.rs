@@ -66,17 +66,7 @@ pub async fn fork(sandboxes: &Arc<Sandboxes>, id: &str, count: u32, timeout: Dur
     };
     let results = futures_util::future::join_all((0..count).map(one)).await;
     let layers_made = meta.layers.last().cloned();
-    let entries: Vec<Value> = results
-        .into_iter()
-        .map(|r| match r {
-            Ok(e) => {
-                let mut s = crate::api::sandbox_json(&e, domain);
-                s["forkMode"] = json!("filesystem");
-                json!({"sandbox": s})
-            }
-            Err(err) => json!({"error": {"code": err.status.as_u16(), "message": err.message}}),
-        })
-        .collect();
+    let entries = entries(results, domain, "filesystem");
     // A layer no fork came to name (every fork failed) goes.
     if let Some(l) = layers_made {
         let store = saved.store().clone();
@@ -101,17 +91,7 @@ async fn fork_memory(
     let one = |n: u32| restore_one(sandboxes, saved, req.clone(), owns, id, n);
     let results = futures_util::future::join_all((0..count).map(one)).await;
     drop(kept);
-    Ok(results
-        .into_iter()
-        .map(|r| match r {
-            Ok(e) => {
-                let mut s = crate::api::sandbox_json(&e, domain);
-                s["forkMode"] = json!("memory");
-                json!({"sandbox": s})
-            }
-            Err(err) => json!({"error": {"code": err.status.as_u16(), "message": err.message}}),
-        })
-        .collect())
+    Ok(entries(results, domain, "memory"))
 }
 
 /// Forks that copy the processes on a tier whose checkpoint ends the sandbox (gvisor): the
@@ -137,17 +117,22 @@ async fn fork_through_pause(sandboxes: &Arc<Sandboxes>, saved: &crate::saved::Sa
         Ok((source, _)) => source.set_end_at(end.max(std::time::SystemTime::now())),
         Err(err) => tracing::warn!(sandbox = %id, "the fork's source stays paused: its resume failed: {}", err.message),
     }
-    Ok(results
+    Ok(entries(results, domain, "memory"))
+}
+
+/// The answer's entries: `{sandbox}` with its `forkMode`, or `{error}`, one per fork.
+fn entries(results: Vec<Result<Arc<crate::registry::LiveSandbox>, ApiError>>, domain: Option<&str>, mode: &str) -> Vec<Value> {
+    results
         .into_iter()
         .map(|r| match r {
             Ok(e) => {
                 let mut s = crate::api::sandbox_json(&e, domain);
-                s["forkMode"] = json!("memory");
+                s["forkMode"] = json!(mode);
                 json!({"sandbox": s})
             }
             Err(err) => json!({"error": {"code": err.status.as_u16(), "message": err.message}}),
         })
-        .collect())
+        .collect()
 }
 
 /// Fork `n` of `source`, restored from a save (`req.restore`). A source that ran on an image of

@@ -32,7 +32,7 @@ pub struct MountRequest {
 
 impl VolumeApi {
     pub fn open(state_dir: &std::path::Path, default_size: u64) -> Result<VolumeApi, crate::ServerError> {
-        let store = Volumes::open(state_dir).map_err(|e| crate::ServerError::Io { what: "open the volume store".into(), source: std::io::Error::other(e.to_string()) })?;
+        let store = Volumes::open(state_dir)?;
         store.reap();
         let tokens = VolumeTokens::open(store.dir()).map_err(|source| crate::ServerError::Io { what: "open the volume token key".into(), source })?;
         Ok(VolumeApi { store, tokens, default_size })
