@@ -58,6 +58,8 @@ for _ in $(seq 9000); do
 done
 
 export CORDON_BIN="$bin"
+# The server's log, for tests that check what it does not write (a secret's value).
+export CORDON_SERVE_LOG="$log"
 export E2B_API_KEY="$key" E2B_API_URL="http://127.0.0.1:$port" E2B_SANDBOX_URL="http://127.0.0.1:$port" E2B_VOLUME_API_URL="http://127.0.0.1:$port"
 status=0
 (cd "$here" && "$venv/bin/python" -m pytest --ignore=old "$@") || status=$?

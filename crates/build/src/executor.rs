@@ -212,6 +212,8 @@ impl Executor {
             restore: None,
             disk_from: None,
             volumes: Vec::new(),
+            // A build step's files become the image: the host's CA stays out of them.
+            egress_ca: None,
         };
         let created = {
             let _enter = self.rt.enter();

@@ -10,6 +10,7 @@ mod copy;
 mod doctor;
 mod dockerfile;
 mod image_cmd;
+mod inject;
 mod mcp;
 mod preflight;
 mod progress;

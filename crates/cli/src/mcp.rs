@@ -54,6 +54,8 @@ pub struct McpArgs {
     /// that outlives each session: NAME:/PATH, or NAME:/PATH:ro (repeatable).
     #[arg(long = "volume", value_name = "NAME:/PATH[:ro]")]
     volume: Vec<String>,
+    #[command(flatten)]
+    inject: crate::inject::InjectArgs,
 }
 
 fn config_from(a: &McpArgs) -> Result<cordon_mcp::Config> {
@@ -77,10 +79,13 @@ fn config_from(a: &McpArgs) -> Result<cordon_mcp::Config> {
         max_file: size("max-file", &a.max_file)? as usize,
         max_entries: 1000,
         tier: a.tier.parse().map_err(|e: cordon_spec::SpecError| usage(format!("--tier: {}", e.reason)))?,
-        network: cordon_spec::NetworkPolicy::parse(&a.allow_net, &a.deny_net)
-            .map_err(|e| usage(format!("--allow-net: {}", e.reason)))?,
+        network: cordon_spec::NetworkPolicy { transforms: a.inject.transforms()?, ..cordon_spec::NetworkPolicy::parse(&a.allow_net, &a.deny_net).map_err(|e| usage(format!("--allow-net: {}", e.reason)))? },
         volumes: Vec::new(),
+        egress_ca: None,
     };
+    if !cfg.network.transforms.is_empty() && !cfg.network.is_enabled() {
+        return Err(usage("--inject: the sandboxes have no network; open the rule's host with --allow-net (rules do not open it)"));
+    }
     for v in &a.volume {
         crate::volume_cmd::parse_mount(v)?;
     }
@@ -106,12 +111,14 @@ pub fn main(state: &State, a: McpArgs) -> Result<u8> {
     crate::preflight::require_root("cordon mcp needs root (sandboxes need cgroups and idmapped mounts): run it as root")?;
     // Held (and mounted on the host) for as long as this serves: no `cordon volume rm` under it.
     let (mounts, _volumes) = crate::volume_cmd::attach(state, &a.volume)?;
-    let cfg = cordon_mcp::Config { volumes: mounts, ..cfg };
+    let intercept = a.inject.interception(state.dir(), &cfg.network.transforms)?;
+    let egress_ca = intercept.as_ref().map(|i| i.ca().cert_pem().to_string());
+    let cfg = cordon_mcp::Config { volumes: mounts, egress_ca, ..cfg };
     cordon_jail::become_subreaper();
     cordon_host::orphans::start();
     // Opening the tier reaps whatever a crashed cordon left behind, and refuses a tier this
     // host cannot run.
-    let backend = state.backend(cfg.tier, dns_upstream)?;
+    let backend = state.backend(cfg.tier, dns_upstream, intercept)?;
     // Checked (and built, for a known recipe) before the client's first call: a missing image is
     // the operator's problem to hear about now, not the model's later.
     let spec = cordon_spec::SandboxSpec { tier: cfg.tier, image: cfg.image.clone(), ..Default::default() };

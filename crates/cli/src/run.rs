@@ -70,6 +70,8 @@ pub struct RunArgs {
     /// /etc/resolv.conf).
     #[arg(long = "dns-upstream", env = "CORDON_DNS_UPSTREAM", value_name = "IP:PORT")]
     dns_upstream: Option<String>,
+    #[command(flatten)]
+    inject: crate::inject::InjectArgs,
     /// Print a summary of the syscalls the filter denied and the network attempts the egress
     /// policy blocked, at exit.
     #[arg(long)]
@@ -124,7 +126,11 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
     };
     let none: [&str; 0] = [];
     NetworkPolicy::parse(&none, &a.deny_net).map_err(|e| bad(e, "deny-net"))?;
-    let network = NetworkPolicy::parse(&a.allow_net, &a.deny_net).map_err(|e| bad(e, "allow-net"))?;
+    let mut network = NetworkPolicy::parse(&a.allow_net, &a.deny_net).map_err(|e| bad(e, "allow-net"))?;
+    network.transforms = a.inject.transforms()?;
+    if !network.transforms.is_empty() && !network.is_enabled() {
+        return Err(usage("--inject: the sandbox has no network; open the rule's host with --allow-net (rules do not open it)"));
+    }
     let env = a.env.iter().map(|e| parse_env(e)).collect::<Result<Vec<_>, _>>().map_err(|e| bad(e, "env"))?;
     let spec = SandboxSpec {
         id: cordon_sandbox::new_id(),
@@ -142,11 +148,15 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         restore: None,
         disk_from: None,
         volumes: Vec::new(),
+        // Set with the rules' TLS termination (see `plan`).
+        egress_ca: None,
     };
     for v in &a.volume {
         crate::volume_cmd::parse_mount(v)?;
     }
-    spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
+    if spec.network.transforms.is_empty() {
+        spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
+    }
     Ok(spec)
 }
 
@@ -207,6 +217,8 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
 struct Plan {
     spec: SandboxSpec,
     dns_upstream: Option<std::net::SocketAddr>,
+    /// TLS termination for the --inject rules' hosts.
+    intercept: Option<Arc<cordon_net::Interception>>,
     copies: Vec<Copy>,
     caps: Capabilities,
     /// The volumes' holds: released once the sandbox is gone.
@@ -224,6 +236,11 @@ fn plan(state: &State, a: &RunArgs) -> Result<Plan> {
         spec.tier
     ))?;
     let mut spec = spec;
+    let intercept = a.inject.interception(state.dir(), &spec.network.transforms)?;
+    if let Some(i) = &intercept {
+        spec.egress_ca = Some(i.ca().cert_pem().to_string());
+        spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
+    }
     if !a.volume.is_empty() {
         if !caps.volumes {
             return Err(usage(format!("--volume: the {} tier cannot mount volumes yet: use --tier ns or gvisor", spec.tier)));
@@ -231,9 +248,9 @@ fn plan(state: &State, a: &RunArgs) -> Result<Plan> {
         let (mounts, leases) = crate::volume_cmd::attach(state, &a.volume)?;
         spec.volumes = mounts;
         spec.validate().map_err(|e| usage(format!("--{}: {}", e.field, e.reason)))?;
-        return Ok(Plan { spec, dns_upstream, copies, caps, _volumes: leases });
+        return Ok(Plan { spec, dns_upstream, intercept, copies, caps, _volumes: leases });
     }
-    Ok(Plan { spec, dns_upstream, copies, caps, _volumes: Vec::new() })
+    Ok(Plan { spec, dns_upstream, intercept, copies, caps, _volumes: Vec::new() })
 }
 
 /// What the image's config decides where the flags did not: the user and working directory
@@ -261,7 +278,7 @@ fn image_defaults(state: &State, a: &RunArgs, spec: &mut SandboxSpec) -> Result<
 fn open_tier(state: &State, plan: &Plan) -> Result<Arc<dyn Backend>> {
     cordon_jail::become_subreaper();
     // A tier the host cannot run is refused here, before any image is built; never a fallback.
-    let backend = state.backend(plan.spec.tier, plan.dns_upstream)?;
+    let backend = state.backend(plan.spec.tier, plan.dns_upstream, plan.intercept.clone())?;
     // The image (built on first use) and whatever the tier prepares for its first sandbox of
     // it (a VM's kit and disk), shown as image builds are.
     crate::image_cmd::ensure(state, backend.as_ref(), &plan.spec, None)?;
@@ -301,6 +318,7 @@ struct Stats {
     landlock: Option<String>,
     denials: Vec<Denial>,
     blocked: Vec<Blocked>,
+    injected: Vec<cordon_sandbox::Injected>,
     /// `None` where the tier cannot tell (printed as null, never as a 0 that looks measured).
     peak: Option<u64>,
     cpu_usec: Option<u64>,
@@ -320,6 +338,7 @@ fn run_and_destroy(rt: tokio::runtime::Runtime, mut sandbox: Box<dyn Sandbox>, p
         landlock: sandbox.landlock(),
         denials: sandbox.denials(),
         blocked,
+        injected: sandbox.injected(),
         peak: sandbox.peak_memory(),
         cpu_usec: sandbox.cpu_usage_usec(),
     };
@@ -384,6 +403,9 @@ fn report_audit(spec: &SandboxSpec, caps: Capabilities, stats: &Stats) {
             let name = b.name.as_ref().map(|n| format!(" ({n})")).unwrap_or_default();
             eprintln!("cordon: audit: blocked {} {}{} x{}: {}", b.proto, b.destination, name, b.count, b.reason);
         }
+        for i in &stats.injected {
+            eprintln!("cordon: audit: injected {} into requests to {} x{}", i.header, i.host, i.count);
+        }
     }
 }
 
@@ -400,6 +422,7 @@ fn print_record(spec: &SandboxSpec, code: i32, reason: Reason, duration: Duratio
         "landlock": stats.landlock,
         "denied_syscalls": stats.denials,
         "blocked_connections": stats.blocked,
+        "injected_headers": stats.injected,
     });
     println!("{rec}");
 }

@@ -68,6 +68,10 @@ pub struct ServeArgs {
     /// images are sparse, so an empty volume takes a few MiB whatever its cap.
     #[arg(long, default_value = crate::volume_cmd::DEFAULT_SIZE)]
     volume_size: String,
+    /// CA certificates (PEM) that the hosts of header injection rules (`network.rules`) are
+    /// verified against, instead of this host's trust store.
+    #[arg(long = "upstream-ca", value_name = "FILE")]
+    upstream_ca: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -140,7 +144,10 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     cordon_host::orphans::start();
     // Opening a tier reaps every sandbox of it a crashed cordon left behind: sandboxes are not
     // adopted, since their tokens and deadlines died with the old process.
-    let tiers = cordon_sandbox::Tiers::new(state.host(Some(a.envd_version.clone())), &crate::tiers::TABLE);
+    let secrets = cordon_server::secrets::open(state.dir())?;
+    let intercept = interception(state, a.upstream_ca.as_deref(), &secrets)?;
+    let host = cordon_sandbox::Host { intercept: intercept.clone(), ..state.host(Some(a.envd_version.clone())) };
+    let tiers = cordon_sandbox::Tiers::new(host, &crate::tiers::TABLE);
     tiers.backend(cordon_spec::Tier::Ns).map_err(|e| usage(e.to_string()))?;
     // The other tiers are opened now too where the host can run them, so that what a crashed
     // server left of them is reaped at start; the ones it cannot run are refused per create.
@@ -154,6 +161,9 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     let volumes = Arc::new(cordon_server::volumes::VolumeApi::open(state.dir(), volume_size).context("open the volume store")?);
     let saved = cordon_server::saved::Saved::open(state.images()?, state.dir(), paused_ttl, state_budget, Some(volumes.clone())).context("open the paused sandboxes and snapshots")?;
     let sandboxes = cordon_server::Sandboxes::with_saved(backend, a.max_sandboxes, a.envd_version, Some(saved));
+    if let Some(i) = &intercept {
+        sandboxes.trust_egress_ca(i.ca().cert_pem().to_string());
+    }
     let network_default = match a.network_default {
         NetworkDefaultArg::Closed => cordon_server::network::NetworkDefault::Closed,
         NetworkDefaultArg::Open => cordon_server::network::NetworkDefault::Open,
@@ -162,7 +172,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     let domain = a.domain.clone();
     let builder = crate::template_build::TemplateBuilder { host: state.host(None), store: state.images()?, registry, network: build_network };
     let templates = cordon_server::templates::Templates::open(state.dir(), state.images()?, Arc::new(builder)).context("open the template records")?;
-    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds), templates: Some(Arc::new(templates)), volumes: Some(volumes) });
+    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds), templates: Some(Arc::new(templates)), volumes: Some(volumes), secrets: Some(secrets) });
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -208,4 +218,20 @@ fn prebuild(store: &cordon_image::Store, name: &str) -> Result<()> {
 async fn shutdown() {
     let name = crate::stop_signal().await;
     eprintln!("cordon serve: {name}: destroying every sandbox");
+}
+
+/// TLS termination for header injection rules: the egress CA (made on first start) and the
+/// secret store. A host without a usable trust store serves without injection (rules are then
+/// refused with a 400) unless `--upstream-ca` was given, which must work.
+fn interception(state: &State, upstream_ca: Option<&std::path::Path>, secrets: &Arc<cordon_secret::SecretStore>) -> Result<Option<Arc<cordon_sandbox::Interception>>> {
+    let ca = Arc::new(cordon_sandbox::EgressCa::open(state.dir()).context("open the egress CA")?);
+    let source = Arc::new(cordon_server::secrets::Source(secrets.clone()));
+    match cordon_sandbox::Interception::new(ca, upstream_ca, source) {
+        Ok(i) => Ok(Some(Arc::new(i))),
+        Err(e) if upstream_ca.is_some() => Err(usage(format!("--upstream-ca: {e}"))),
+        Err(e) => {
+            tracing::warn!("header injection is off: {e}");
+            Ok(None)
+        }
+    }
 }

@@ -66,9 +66,10 @@ impl State {
         &self,
         tier: cordon_spec::Tier,
         dns_upstream: Option<std::net::SocketAddr>,
+        intercept: Option<std::sync::Arc<cordon_sandbox::Interception>>,
     ) -> Result<std::sync::Arc<dyn cordon_sandbox::Backend>> {
         self.ensure()?;
-        let host = cordon_sandbox::Host { dns_upstream, ..self.host(None) };
+        let host = cordon_sandbox::Host { dns_upstream, intercept, ..self.host(None) };
         let entry = cordon_sandbox::TierEntry::find(&crate::tiers::TABLE, tier).map_err(|e| crate::usage(e.to_string()))?;
         (entry.open)(&host).map_err(|e| crate::usage(e.to_string()))
     }
@@ -81,6 +82,7 @@ impl State {
             exe: PathBuf::from("/proc/self/exe"),
             envd_version,
             dns_upstream: None,
+            intercept: None,
         }
     }
 

@@ -585,6 +585,7 @@ mod runtime_update {
             dns_upstream: Some(DNS.parse().unwrap()),
             mtu: cordon_jail::tun::MTU,
             cpu,
+            intercept: None,
         }
     }
 
@@ -595,7 +596,7 @@ mod runtime_update {
         let unbounded = cordon_net::CpuCharge { cpus: 64.0, group: None };
         let egress = cordon_net::Egress::start(tun, policy(&["allowed.test"]), config(unbounded)).unwrap();
         let first = (curl_in(&ns, "http://allowed.test/"), curl_in(&ns, "http://a.wild.test/"));
-        egress.update_policy(policy(&["*.wild.test"]));
+        egress.update_policy(policy(&["*.wild.test"])).unwrap();
         let second = (curl_in(&ns, "http://allowed.test/"), curl_in(&ns, "http://a.wild.test/"));
         let blocked = egress.blocked();
         drop(egress);
@@ -620,7 +621,7 @@ mod runtime_update {
         let egress = cordon_net::Egress::start(tun, open, config(cordon_net::CpuCharge { cpus: 64.0, group: None })).unwrap();
         let unlisted = curl_in(&ns, "http://allowed.test/");
         let denied = curl_in(&ns, &format!("http://{OTHER_V4}/"));
-        egress.update_policy(NetworkDefault::Open.policy(&[], &[], Some(false)).unwrap());
+        egress.update_policy(NetworkDefault::Open.policy(&[], &[], Some(false)).unwrap()).unwrap();
         let closed = curl_in(&ns, &format!("http://{WEB_V4}/"));
         let blocked = egress.blocked();
         drop(egress);

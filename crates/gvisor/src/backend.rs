@@ -21,7 +21,7 @@ pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Ti
 pub fn open(host: &Host) -> Result<Arc<dyn Backend>, Error> {
     let store = cordon_image::Store::open(&host.state_dir).map_err(|e| Error::failed("open the image store", e))?;
     let gv = Gvisor::open(&host.state_dir, &host.exe).map_err(|e| Error::Unavailable(e.to_string()))?;
-    Ok(Arc::new(GvisorBackend { gv, store, envd_version: host.envd_version.clone(), dns_upstream: host.dns_upstream }))
+    Ok(Arc::new(GvisorBackend { gv, store, envd_version: host.envd_version.clone(), upstream: cordon_sandbox::egress::Upstream::of(host) }))
 }
 
 /// The `gvisor` tier: images from the store, sandboxes run by runsc.
@@ -29,7 +29,7 @@ pub struct GvisorBackend {
     gv: Gvisor,
     store: cordon_image::Store,
     envd_version: Option<String>,
-    dns_upstream: Option<std::net::SocketAddr>,
+    upstream: cordon_sandbox::egress::Upstream,
 }
 
 impl Backend for GvisorBackend {
@@ -57,10 +57,11 @@ impl Backend for GvisorBackend {
             tun: spec.network.is_enabled(),
             restore: spec.restore.clone(),
             volumes: spec.volumes.clone(),
+            egress_ca: spec.egress_ca.clone().filter(|_| spec.network.is_enabled()),
         };
         let mut sandbox = self.gv.create(&cfg).map_err(|e| Error::failed("gvisor tier", e))?;
         let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
-        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, cordon_host::tun::MTU, self.dns_upstream, &sandbox.cgroup, &spec.limits)?;
+        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, cordon_host::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;
         Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }))
     }
 }

@@ -36,6 +36,9 @@ pub struct Bundle<'a> {
     /// Volumes, bound at their paths. The sandbox sees their files with the owners on disk,
     /// as it sees the image's: gVisor's kernel, not a user namespace, stands between them.
     pub volumes: &'a [cordon_spec::VolumeMount],
+    /// Host files bound read-only over the image's CA bundle and at the egress CA's place
+    /// (`cordon_host::trust::BUNDLE`, `CA_FILE`).
+    pub trust: Option<(&'a Path, &'a Path)>,
 }
 
 /// What the agent needs to start commands as other users, and nothing for the host: gVisor
@@ -126,6 +129,12 @@ impl Bundle<'_> {
             }
             None => namespaces.push(LinuxNamespaceType::Network),
         }
+        if let Some((bundle, ca)) = self.trust {
+            for (dest, src) in [(cordon_host::trust::BUNDLE, bundle), (cordon_host::trust::CA_FILE, ca)] {
+                let src = src.to_str().ok_or_else(|| err("the state directory's path is not UTF-8"))?;
+                mounts.push(mount(dest, "bind", src, &["bind", "ro", "nosuid", "nodev", "noexec"])?);
+            }
+        }
         // After the sandbox's own mounts, so that none can hide them. gVisor resolves each
         // destination inside its own root: a symlink in the image leads nowhere on the host.
         for v in self.volumes {
@@ -170,6 +179,7 @@ mod tests {
             nproc: 64,
             resolv_conf: None,
             volumes: &[],
+            trust: None,
         };
         let v = serde_json::to_value(b.spec().unwrap()).unwrap();
         assert_eq!(v["hostname"], "isbx");
@@ -205,11 +215,15 @@ mod tests {
             nproc: 64,
             resolv_conf: Some(resolv),
             volumes: &[],
+            trust: Some((Path::new("/state/gvisor/isbx/trust-bundle.crt"), Path::new("/state/gvisor/isbx/egress-ca.crt"))),
         };
         let v = serde_json::to_value(b.spec().unwrap()).unwrap();
         let mounts = v["mounts"].as_array().unwrap();
         let r = mounts.iter().find(|m| m["destination"] == "/etc/resolv.conf").unwrap();
         assert_eq!(r["source"], "/state/gvisor/isbx/resolv.conf");
+        let t = mounts.iter().find(|m| m["destination"] == cordon_host::trust::BUNDLE).unwrap();
+        assert_eq!(t["source"], "/state/gvisor/isbx/trust-bundle.crt");
+        assert!(t["options"].as_array().unwrap().iter().any(|o| o == "ro"));
         assert!(r["options"].as_array().unwrap().contains(&"ro".into()));
         let nss = v["linux"]["namespaces"].as_array().unwrap();
         assert!(!nss.iter().any(|n| n["type"] == "network"));

@@ -25,6 +25,7 @@ pub mod diagnose;
 mod launch;
 pub mod netns;
 pub mod runsc;
+mod trust;
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -87,6 +88,8 @@ pub struct SandboxConfig {
     pub restore: Option<PathBuf>,
     /// Volumes bound in (host directories the host has mounted).
     pub volumes: Vec<cordon_spec::VolumeMount>,
+    /// The host's egress CA, added to the image's trust (bound over its bundle).
+    pub egress_ca: Option<String>,
 }
 
 /// The tier on this host: runsc, the platform, the state directory.
@@ -187,6 +190,14 @@ impl Gvisor {
         if netns.is_some() {
             fs::write(&resolv, cordon_host::tun::resolv_conf()).map_err(io_err("write resolv.conf"))?;
         }
+        // The image's CA bundle with the egress CA, and the CA alone, bound read-only over
+        // their places (see `cordon_host::trust`).
+        let (bundle_file, ca_file) = (sb.entry.dir().join("trust-bundle.crt"), sb.entry.dir().join("egress-ca.crt"));
+        if let Some(ca) = &cfg.egress_ca {
+            let image = trust::image_bundle(&cfg.layers);
+            fs::write(&bundle_file, cordon_host::trust::bundle(image.as_deref(), ca)).map_err(io_err("write the sandbox's CA bundle"))?;
+            fs::write(&ca_file, ca).map_err(io_err("write the egress CA"))?;
+        }
         // The configuration comes first on the link's stdin (see `launch::serve_link`).
         let agent_env = [
             (String::from("CORDON_AGENT_LINK"), String::from("stdio")),
@@ -202,6 +213,7 @@ impl Gvisor {
             nproc: cfg.limits.pids as u64,
             resolv_conf: netns.as_ref().map(|_| resolv.as_path()),
             volumes: &cfg.volumes,
+            trust: cfg.egress_ca.as_ref().map(|_| (bundle_file.as_path(), ca_file.as_path())),
         }
         .write(sb.entry.dir())?;
 

@@ -15,6 +15,7 @@ pub mod ledger;
 pub mod orphans;
 pub mod slots;
 pub mod sys;
+pub mod trust;
 pub mod tun;
 
 pub use cgroup::{Cgroup, Layout, ThreadCharge};

@@ -35,6 +35,7 @@ fn main() {
             writable: None,
             keep_writable: false,
             volumes: Vec::new(),
+            egress_ca: None,
         })
         .unwrap();
     eprintln!("created in {:?}, pid {}, uid base {}", t.elapsed(), sb.host_pid(), sb.uid_base());

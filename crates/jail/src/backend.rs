@@ -25,7 +25,7 @@ pub struct JailBackend {
     jail: Jail,
     store: cordon_image::Store,
     envd_version: Option<String>,
-    dns_upstream: Option<std::net::SocketAddr>,
+    upstream: cordon_sandbox::egress::Upstream,
 }
 
 /// Ports for Landlock's TCP connect rules: only when every allow rule names ports (see the
@@ -73,7 +73,7 @@ impl JailBackend {
     pub fn open(host: &Host) -> Result<JailBackend, Error> {
         let store = cordon_image::Store::open(&host.state_dir).map_err(|e| Error::failed("open the image store", e))?;
         let jail = Jail::open(&host.state_dir, host.exe.clone()).map_err(|e| Error::Unavailable(e.to_string()))?;
-        Ok(JailBackend { jail, store, envd_version: host.envd_version.clone(), dns_upstream: host.dns_upstream })
+        Ok(JailBackend { jail, store, envd_version: host.envd_version.clone(), upstream: cordon_sandbox::egress::Upstream::of(host) })
     }
 
     fn create_from(&self, spec: &SandboxSpec, image: &cordon_image::Image, pin: cordon_image::Pin, writable: Option<std::path::PathBuf>) -> Result<(Box<dyn cordon_sandbox::Sandbox>, u32), Error> {
@@ -94,11 +94,12 @@ impl JailBackend {
             writable,
             keep_writable: spec.keep_writable,
             volumes: spec.volumes.clone(),
+            egress_ca: spec.egress_ca.clone().filter(|_| spec.network.is_enabled()),
         };
         let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
         let uid_base = sandbox.uid_base();
         let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
-        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, crate::tun::MTU, self.dns_upstream, &sandbox.cgroup, &spec.limits)?;
+        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, crate::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;
         Ok((Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }), uid_base))
     }
 }

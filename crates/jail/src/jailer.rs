@@ -69,6 +69,9 @@ pub struct JailerConfig {
     /// Volumes: host directories to bind at paths inside, after the image's layers.
     #[serde(default)]
     pub volumes: Vec<cordon_spec::VolumeMount>,
+    /// The host's egress CA, added to the image's trust (see `cordon_host::trust`).
+    #[serde(default)]
+    pub egress_ca: Option<String>,
 }
 
 /// The descriptor the agent finds its configuration on (`CORDON_AGENT_CONFIG_FD`), after the
@@ -310,6 +313,7 @@ fn init_inner(cfg: &JailerConfig, sock: &OwnedFd, listener: RawFd, exe: RawFd) -
         disk_bytes: cfg.disk_bytes,
         hostname: &cfg.id,
         nameservers: cfg.tun,
+        egress_ca: cfg.egress_ca.as_deref(),
     }, &rootfs::Kernel)?;
 
     sys::setrlimit(libc::RLIMIT_NOFILE, cfg.nofile, cfg.nofile)?;

@@ -86,6 +86,8 @@ pub struct SandboxConfig {
     pub keep_writable: bool,
     /// Volumes bound in, each idmapped for the sandbox's uid range.
     pub volumes: Vec<cordon_spec::VolumeMount>,
+    /// The host's egress CA, which the sandbox trusts (`SandboxSpec::egress_ca`).
+    pub egress_ca: Option<String>,
 }
 
 /// Unmounts and removes a writable layer kept with [`SandboxConfig::writable`].
@@ -209,6 +211,7 @@ impl Jail {
             tun: cfg.tun,
             connect_ports: cfg.connect_ports.clone(),
             volumes: cfg.volumes.clone(),
+            egress_ca: cfg.egress_ca.clone(),
         };
         let (reply, taken) = jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))?;
         sb.tun = taken.tun;

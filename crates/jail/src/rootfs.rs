@@ -9,7 +9,7 @@ use crate::sys;
 use std::fs;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::{symlink, DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::{symlink, DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// What the new root is made of.
@@ -28,6 +28,8 @@ pub struct RootPlan<'a> {
     pub hostname: &'a str,
     /// Point the sandbox's resolver at the egress gateway (it has a TUN interface).
     pub nameservers: bool,
+    /// The host's egress CA, to add to the image's trust.
+    pub egress_ca: Option<&'a str>,
 }
 
 /// PTYs one sandbox may hold at once. PTYs of every devpts instance but the host's come from one
@@ -134,6 +136,9 @@ pub fn enter(plan: RootPlan<'_>, ops: &dyn MountOps) -> io::Result<()> {
     name_host(&root, plan.hostname);
     if plan.nameservers {
         point_resolver_at_gateway(&root)?;
+    }
+    if let Some(ca) = plan.egress_ca {
+        trust_egress_ca(&root, ca)?;
     }
     Ok(())
 }
@@ -342,6 +347,42 @@ fn point_resolver_at_gateway(root: &Path) -> io::Result<()> {
     fs::write(&path, crate::tun::resolv_conf()).map_err(|e| io::Error::new(e.kind(), format!("write /etc/resolv.conf: {e}")))
 }
 
+/// Adds the egress CA to the image's trust, in the writable layer (`cordon_host::trust`).
+/// Symlinks are replaced, not followed: what the image's files say never moves a write (this
+/// runs as the sandbox's root in its own namespaces, before the sandbox starts, in any case).
+fn trust_egress_ca(root: &Path, ca: &str) -> io::Result<()> {
+    use cordon_host::trust::{bundle, BUNDLE, CA_FILE};
+    let err = |what: &str| {
+        let what = what.to_string();
+        move |e: io::Error| io::Error::new(e.kind(), format!("{what}: {e}"))
+    };
+    let open_nofollow = |p: &Path| fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(p);
+    for (inside, data) in [(BUNDLE, None), (CA_FILE, Some(ca.as_bytes().to_vec()))] {
+        let path = root.join(inside.trim_start_matches('/'));
+        let parent = path.parent().expect("an absolute path has a parent");
+        for dir in parent.ancestors().take_while(|d| d.starts_with(root) && *d != root) {
+            if fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
+                return Err(io::Error::other(format!("{} is a symlink in the image: cannot add the egress CA to its trust", dir.display())));
+            }
+        }
+        fs::create_dir_all(parent).map_err(err(&format!("create {}", parent.display())))?;
+        let data = match data {
+            Some(d) => d,
+            None => {
+                let image = open_nofollow(&path).ok().and_then(|mut f| {
+                    let mut v = Vec::new();
+                    std::io::Read::read_to_end(&mut f, &mut v).ok().map(|_| v)
+                });
+                bundle(image.as_deref(), ca)
+            }
+        };
+        let _ = fs::remove_file(&path);
+        fs::write(&path, data).map_err(err(&format!("write {inside}")))?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).map_err(err(&format!("chmod {inside}")))?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     //! Rootfs assembly through a recording [`MountOps`]: every mount's order, target and options,
@@ -424,7 +465,7 @@ mod tests {
     }
 
     fn plan<'a>(st: &'a Path, nameservers: bool) -> RootPlan<'a> {
-        RootPlan { staging: st, premounted: false, image: vec![fs::File::open(st).unwrap().into()], volumes: Vec::new(), disk_bytes: 1 << 20, hostname: "sb-test", nameservers }
+        RootPlan { staging: st, premounted: false, image: vec![fs::File::open(st).unwrap().into()], volumes: Vec::new(), disk_bytes: 1 << 20, hostname: "sb-test", nameservers, egress_ca: None }
     }
 
     fn position(calls: &[String], prefix: &str) -> usize {

@@ -33,6 +33,8 @@ pub struct Config {
     /// Volumes every sandbox mounts (an agent's workspace that outlives its sessions), held in
     /// use by whoever made the config for as long as it serves.
     pub volumes: Vec<cordon_spec::VolumeMount>,
+    /// The egress CA every sandbox trusts, when `network` has header injection rules.
+    pub egress_ca: Option<String>,
 }
 
 impl Default for Config {
@@ -50,6 +52,7 @@ impl Default for Config {
             max_file: 8 << 20,
             max_entries: 1000,
             volumes: Vec::new(),
+            egress_ca: None,
         }
     }
 }

@@ -83,6 +83,7 @@ impl Pool {
             limits: served::limits(c.memory_mb, c.cpus, c.disk_mb),
             network: c.network.clone(),
             volumes: c.volumes.clone(),
+            egress_ca: c.egress_ca.clone(),
             ..Default::default()
         };
         let started = Instant::now();

@@ -1,4 +1,5 @@
-//! The sandbox's record of blocked network attempts: what, where, which name, why, how often.
+//! The sandbox's record of blocked network attempts (what, where, which name, why, how often)
+//! and of the headers the forwarder injected (host, header name, how often; never a value).
 
 use serde::Serialize;
 use std::collections::HashMap;
@@ -24,9 +25,18 @@ const MAX_ENTRIES: usize = 4096;
 /// What identifies one kind of refusal, so repeats count instead of adding an entry.
 type Key = (String, String, Option<String>, String);
 
+/// Requests given a rule's header, counted per host and header name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Injected {
+    pub host: String,
+    pub header: String,
+    pub count: u64,
+}
+
 #[derive(Default)]
 pub struct AuditLog {
     entries: Mutex<(Vec<Blocked>, HashMap<Key, usize>)>,
+    injections: Mutex<std::collections::BTreeMap<(String, String), u64>>,
 }
 
 impl AuditLog {
@@ -44,6 +54,23 @@ impl AuditLog {
         }
         index.insert(key.clone(), list.len());
         list.push(Blocked { proto: key.0, destination: key.1, name: key.2, reason: key.3, count: 1 });
+    }
+
+    /// Counts one injection of `header` into a request to `host`. Hosts are the names of
+    /// connections the rules matched (at most a rule's wildcard's worth); beyond
+    /// [`MAX_ENTRIES`] pairs only known ones count.
+    pub fn injected(&self, host: &str, header: &str) {
+        let mut g = self.injections.lock().expect("audit lock");
+        let key = (host.to_string(), header.to_ascii_lowercase());
+        if let Some(n) = g.get_mut(&key) {
+            *n += 1;
+        } else if g.len() < MAX_ENTRIES {
+            g.insert(key, 1);
+        }
+    }
+
+    pub fn injections(&self) -> Vec<Injected> {
+        self.injections.lock().expect("audit lock").iter().map(|((host, header), n)| Injected { host: host.clone(), header: header.clone(), count: *n }).collect()
     }
 
     pub fn snapshot(&self) -> Vec<Blocked> {

@@ -258,8 +258,12 @@ async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
     // Without a name rule that could allow it, a connection the address does not allow is
     // refused before anything is read (its connect fails at once).
     let name_allows = policy.allow.iter().any(|r| !matches!(r.target, Target::Cidr(_)));
+    // With injection rules every connection is named (however its address is judged): a
+    // connection to a host with a rule must be recognised to be terminated.
+    let may_inject = !policy.transforms.is_empty() && shared.intercept.is_some();
     let mut first = Vec::new();
-    let sniffed = if (ip_ok && !name_denies) || (!ip_ok && !name_allows) { Sniffed::Nameless } else { peek(&mut s, &mut first).await };
+    let skip_naming = !may_inject && ((ip_ok && !name_denies) || (!ip_ok && !name_allows));
+    let sniffed = if skip_naming { Sniffed::Nameless } else { peek(&mut s, &mut first).await };
     let name = match &sniffed {
         Sniffed::Name(n) => Some(n.as_str()),
         _ => None,
@@ -272,6 +276,13 @@ async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
             return;
         }
     };
+    if let (Some(n), Some(icpt)) = (name, shared.intercept.clone()) {
+        if policy.transforms.for_host(n).is_some() {
+            let (n, tls) = (n.to_string(), first.first() == Some(&0x16));
+            crate::intercept::serve(shared, icpt, s, first, n, targets, tls).await;
+            return;
+        }
+    }
     let mut upstream = None;
     for t in &targets {
         match tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(t)).await {

@@ -13,7 +13,11 @@
 //! - no address of the host itself, of loopback or of a private/link-local/metadata range is
 //!   ever dialled unless a rule names that range explicitly ([`guard`]);
 //! - other UDP, ICMP and every other protocol are dropped;
-//! - every blocked attempt is recorded ([`audit`]).
+//! - every blocked attempt is recorded ([`audit`]);
+//! - a connection to a host with injection rules (and only those) is terminated here, its
+//!   requests given the rule's headers, and relayed to the real host over verified TLS
+//!   ([`intercept`], with leaf certificates of the host's egress CA, [`ca`]); each injection is
+//!   counted in the audit, never its value.
 //!
 //! The policy sits behind a lock and can be replaced while the sandbox runs
 //! ([`Egress::update_policy`]); connections already open stay open.
@@ -23,14 +27,18 @@
 //! budgets), so what a sandbox makes its forwarder do stays within what the sandbox was given.
 
 pub mod audit;
+pub mod ca;
 pub mod cpu;
 mod device;
 pub mod dns;
 mod forward;
 pub mod guard;
+pub mod intercept;
 pub mod sniff;
 
-pub use audit::{AuditLog, Blocked};
+pub use audit::{AuditLog, Blocked, Injected};
+pub use ca::{CaError, EgressCa};
+pub use intercept::{Interception, SecretSource};
 pub use cpu::CpuCharge;
 
 use cordon_spec::NetworkPolicy;
@@ -53,6 +61,12 @@ pub enum NetError {
     /// An upstream given as text did not parse.
     #[error("DNS upstream '{0}' is not IP:PORT (or IP, meaning port 53)")]
     BadUpstream(String),
+    /// Injection rules were given to a forwarder that cannot terminate TLS.
+    #[error("header injection rules need the egress CA, which this forwarder was not given")]
+    NoInterception,
+    /// What upstream hosts are verified against could not be loaded.
+    #[error("upstream CA certificates ({path}): {reason}")]
+    UpstreamCa { path: String, reason: String },
 }
 
 /// How the forwarder is set up (policy aside).
@@ -66,6 +80,9 @@ pub struct EgressConfig {
     pub mtu: u16,
     /// How the forwarder's own CPU is held to the sandbox's quota.
     pub cpu: CpuCharge,
+    /// Termination of TLS for the hosts of injection rules; `None`: a policy with such rules
+    /// is refused.
+    pub intercept: Option<Arc<Interception>>,
 }
 
 /// Parses an upstream resolver given as `IP`, `IP:PORT` or `[IPv6]:PORT`.
@@ -87,6 +104,7 @@ pub(crate) struct Shared {
     pub(crate) tcp_flows: Arc<tokio::sync::Semaphore>,
     pub(crate) udp_flows: Arc<tokio::sync::Semaphore>,
     pub(crate) dns_inflight: Arc<tokio::sync::Semaphore>,
+    pub(crate) intercept: Option<Arc<Interception>>,
 }
 
 impl Shared {
@@ -113,6 +131,9 @@ pub struct Egress {
 impl Egress {
     /// Starts serving `tun` on a thread of its own, charged as `cfg.cpu` says.
     pub fn start(tun: OwnedFd, policy: NetworkPolicy, cfg: EgressConfig) -> Result<Egress, NetError> {
+        if !policy.transforms.is_empty() && cfg.intercept.is_none() {
+            return Err(NetError::NoInterception);
+        }
         let shared = Arc::new(Shared {
             policy: RwLock::new(Arc::new(policy)),
             audit: AuditLog::default(),
@@ -121,6 +142,7 @@ impl Egress {
             tcp_flows: Arc::new(tokio::sync::Semaphore::new(forward::MAX_TCP_FLOWS)),
             udp_flows: Arc::new(tokio::sync::Semaphore::new(forward::MAX_UDP_FLOWS)),
             dns_inflight: Arc::new(tokio::sync::Semaphore::new(forward::MAX_DNS_INFLIGHT)),
+            intercept: cfg.intercept,
         });
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (ready_tx, ready) = std::sync::mpsc::channel();
@@ -179,9 +201,19 @@ impl Egress {
         Ok(Egress { shared, stop: Some(stop), thread: Some(thread), charged, tid })
     }
 
-    /// Replaces the policy; new connections and DNS queries follow it at once.
-    pub fn update_policy(&self, policy: NetworkPolicy) {
+    /// Replaces the policy; new connections, DNS queries and requests on intercepted
+    /// connections follow it at once.
+    pub fn update_policy(&self, policy: NetworkPolicy) -> Result<(), NetError> {
+        if !policy.transforms.is_empty() && self.shared.intercept.is_none() {
+            return Err(NetError::NoInterception);
+        }
         *self.shared.policy.write().expect("policy lock") = Arc::new(policy);
+        Ok(())
+    }
+
+    /// Headers injected so far, counted per host and header name.
+    pub fn injected(&self) -> Vec<Injected> {
+        self.shared.audit.injections()
     }
 
     pub fn policy(&self) -> Arc<NetworkPolicy> {

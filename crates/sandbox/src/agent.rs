@@ -17,6 +17,14 @@ fn default_user(spec: &SandboxSpec, image: &cordon_image::Image) -> String {
 /// The agent's configuration for `spec`: the image's environment, then the spec's.
 pub fn config(spec: &SandboxSpec, image: &cordon_image::Image, envd_version: Option<&str>) -> cordon_agent::AgentConfig {
     let mut env = image.meta.env.clone();
+    // A sandbox that trusts the egress CA says so to the clients that keep their own stores;
+    // over the image's values, under the sandbox's own.
+    if spec.egress_ca.is_some() && spec.network.is_enabled() {
+        for (k, v) in cordon_host::trust::env() {
+            env.retain(|(ek, _)| ek != k);
+            env.push((k.to_string(), v.to_string()));
+        }
+    }
     for (k, v) in &spec.env {
         env.retain(|(ek, _)| ek != k);
         env.push((k.clone(), v.clone()));

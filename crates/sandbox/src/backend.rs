@@ -77,6 +77,9 @@ pub struct Host {
     pub envd_version: Option<String>,
     /// Where the egress forwarder resolves allowed names (`None`: the host's resolv.conf).
     pub dns_upstream: Option<std::net::SocketAddr>,
+    /// TLS termination for the hosts of header injection rules (the egress CA, the upstream
+    /// trust, the secrets); `None`: sandboxes with such rules are refused.
+    pub intercept: Option<std::sync::Arc<cordon_net::Interception>>,
 }
 
 /// A tier that makes sandboxes. `create` blocks; async front ends call it on a blocking thread.

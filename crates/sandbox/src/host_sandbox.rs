@@ -102,6 +102,10 @@ impl<S: HostSandbox> Sandbox for HostBacked<S> {
         self.egress.blocked()
     }
 
+    fn injected(&self) -> Vec<crate::Injected> {
+        self.egress.injected()
+    }
+
     fn set_network(&self, policy: NetworkPolicy) -> Result<(), Error> {
         self.egress.set_network(policy)
     }

@@ -69,6 +69,10 @@ pub trait Sandbox: Send {
     fn blocked(&self) -> Vec<Blocked> {
         Vec::new()
     }
+    /// Headers the forwarder injected into the sandbox's requests, per host and header name.
+    fn injected(&self) -> Vec<crate::Injected> {
+        Vec::new()
+    }
     /// Replaces the egress policy of a running sandbox; it applies to new connections.
     fn set_network(&self, _policy: NetworkPolicy) -> Result<(), Error> {
         Err(Error::NoNetwork)

@@ -15,7 +15,6 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::{json_response, ApiError};
-use crate::network::NetworkDefault;
 use crate::registry::{LiveSandbox, NewSandbox, MAX_TIMEOUT_SECS};
 use crate::{auth, query, App, Body};
 
@@ -204,11 +203,50 @@ struct NetworkBody {
     /// In `PUT /sandboxes/{id}/network`'s body: `false` closes everything.
     #[serde(default)]
     allow_internet_access: Option<bool>,
+    /// Header injection: `{"<host>": [{"transform": {"headers": {"<Name>": "<value>"}}}]}`.
+    #[serde(default)]
+    rules: Option<BTreeMap<String, Vec<RuleBody>>>,
+}
+
+/// One rule of `network.rules` (E2B allows one per host).
+#[derive(Deserialize, Default)]
+struct RuleBody {
+    #[serde(default)]
+    transform: Option<TransformBody>,
+}
+
+#[derive(Deserialize, Default)]
+struct TransformBody {
+    #[serde(default)]
+    headers: Option<BTreeMap<String, String>>,
 }
 
 impl NetworkBody {
-    fn policy(&self, default: NetworkDefault, internet: Option<bool>) -> Result<cordon_spec::NetworkPolicy, ApiError> {
-        default.policy(&self.allow_out, &self.deny_out, internet).map_err(|e| ApiError::bad_request(format!("network: {}", e.reason)))
+    /// The policy the body asks for, its injection rules checked against the secrets this
+    /// server holds and its ability to inject at all.
+    fn policy(&self, app: &App, internet: Option<bool>) -> Result<cordon_spec::NetworkPolicy, ApiError> {
+        let mut p = app.network_default.policy(&self.allow_out, &self.deny_out, internet).map_err(|e| ApiError::bad_request(format!("network: {}", e.reason)))?;
+        let Some(rules) = &self.rules else { return Ok(p) };
+        let mut given = Vec::with_capacity(rules.len());
+        for (host, list) in rules {
+            if list.len() > 1 {
+                return Err(ApiError::bad_request(format!("network.rules: '{host}' has {} rules: at most 1 per host", list.len())));
+            }
+            let headers = list.iter().filter_map(|r| r.transform.as_ref()).filter_map(|t| t.headers.clone()).flatten();
+            given.push((host.clone(), headers.collect::<Vec<_>>()));
+        }
+        let transforms = cordon_spec::Transforms::new(given).map_err(|e| ApiError::bad_request(format!("network.rules: {}", e.reason)))?;
+        if transforms.is_empty() || internet == Some(false) {
+            return Ok(p);
+        }
+        if app.sandboxes.egress_ca().is_none() {
+            return Err(ApiError::bad_request("network.rules: this server cannot inject headers (no egress CA; see its log at start)"));
+        }
+        if let Some(missing) = transforms.secrets().into_iter().find(|s| app.secret_value(s).is_none()) {
+            return Err(ApiError::bad_request(format!("network.rules: secret '{missing}' does not exist: create it first (Secret.create or POST /secrets)")));
+        }
+        p.transforms = transforms;
+        Ok(p)
     }
 
     fn names_rules(&self) -> bool {
@@ -284,7 +322,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
     cordon_spec::validate_env_vars(env_vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .map_err(|e| ApiError::bad_request(format!("envVars: {}", e.reason)))?;
     let body = b.network.as_ref();
-    let mut network = body.unwrap_or(&NetworkBody::default()).policy(app.network_default, b.allow_internet_access)?;
+    let mut network = body.unwrap_or(&NetworkBody::default()).policy(app, b.allow_internet_access)?;
     if let Err(e) = app.sandboxes.check_network(tier, &network) {
         // A tier without egress (vm) under the open default, asked for no rules, is closed:
         // refusing every plain create there would make the tier unusable.
@@ -430,6 +468,11 @@ fn network_json(network: &cordon_spec::NetworkPolicy, traffic: &crate::traffic::
         "denyOut": network.deny.iter().map(ToString::to_string).collect::<Vec<_>>(),
         "allowPublicTraffic": traffic.public,
         "maskRequestHost": traffic.mask_host,
+        // As stored: placeholders, never a secret's value.
+        "rules": network.transforms.rules().map(|(host, headers)| {
+            let h: serde_json::Map<String, Value> = headers.iter().map(|r| (r.name.clone(), Value::from(r.value.raw()))).collect();
+            (host.to_string(), json!([{"transform": {"headers": h}}]))
+        }).collect::<serde_json::Map<String, Value>>(),
     })
 }
 
@@ -599,12 +642,13 @@ fn metrics(app: &Arc<App>, id: &str, q: Option<&str>) -> Result<Response<Body>, 
     Ok(json_response(StatusCode::OK, &Value::Array(crate::metrics::samples(&e, start, end))))
 }
 
-/// cordon's extension: what the sandbox's filters refused so far (syscalls and network attempts).
+/// cordon's extension: what the sandbox's filters refused so far (syscalls and network
+/// attempts), and the headers its egress rules injected (counts, never values).
 fn audit(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
     let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
     Ok(json_response(
         StatusCode::OK,
-        &json!({"sandboxID": e.id, "deniedSyscalls": e.denials(), "blockedConnections": e.blocked()}),
+        &json!({"sandboxID": e.id, "deniedSyscalls": e.denials(), "blockedConnections": e.blocked(), "injectedHeaders": e.injected()}),
     ))
 }
 
@@ -614,7 +658,7 @@ fn audit(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
 /// pretending.
 async fn update_network(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     let b: NetworkBody = read_json(req, true).await?;
-    let policy = b.policy(app.network_default, b.allow_internet_access)?;
+    let policy = b.policy(app, b.allow_internet_access)?;
     let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
     e.set_network(policy).map_err(|m| ApiError::new(StatusCode::CONFLICT, m.to_string()).no_retry())?;
     Ok(empty(StatusCode::NO_CONTENT))

@@ -20,6 +20,15 @@ pub fn ct_eq(a: &str, b: &str) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The control plane's check of `X-API-KEY`.
+pub fn check_api_key(headers: &hyper::HeaderMap, api_key: &str) -> Result<(), crate::ApiError> {
+    let key = headers.get("x-api-key").and_then(|v| v.to_str().ok()).unwrap_or("");
+    if ct_eq(key, api_key) {
+        return Ok(());
+    }
+    Err(crate::ApiError::unauthorized(if key.is_empty() { "missing API key: send it in the X-API-KEY header" } else { "invalid API key" }))
+}
+
 fn random_hex(bytes: usize) -> String {
     let mut raw = vec![0u8; bytes];
     getrandom::fill(&mut raw).expect("the kernel's random source is available");

@@ -15,6 +15,8 @@ pub enum ServerError {
     Config(String),
     #[error("open the volume store: {0}")]
     Volumes(#[from] cordon_volume::VolumeError),
+    #[error("open the secret store: {0}")]
+    Secrets(#[from] cordon_secret::SecretError),
 }
 
 /// An error answer of the control plane or the data plane.

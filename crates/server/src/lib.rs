@@ -27,6 +27,7 @@ pub mod query;
 pub mod registry;
 pub mod routes;
 pub mod saved;
+pub mod secrets;
 pub mod snapshots;
 pub mod start_command;
 pub mod templates;
@@ -90,9 +91,17 @@ pub struct App {
     pub templates: Option<Arc<templates::Templates>>,
     /// Volumes (`/volumes`, `/volumecontent`, `volumeMounts`); `None` answers them 501.
     pub volumes: Option<Arc<volumes::VolumeApi>>,
+    /// Secrets (`/secrets`); `None` answers them 501.
+    pub secrets: Option<Arc<cordon_secret::SecretStore>>,
 }
 
 impl App {
+    /// The value of the secret named `name` (in any case), if this server keeps secrets and
+    /// has it: what a sandbox's egress substitutes for `${e2b.secrets.<name>}`.
+    pub fn secret_value(&self, name: &str) -> Option<String> {
+        self.secrets.as_ref()?.value(name)
+    }
+
     /// Routes one request to the control plane or to a sandbox.
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
         match routes::classify(req.uri().path(), req.headers()) {
@@ -103,6 +112,7 @@ impl App {
                 Ok(None) => api::handle(&self, req).await,
                 Err(e) => e.into_response(),
             },
+            routes::Route::Api if secrets::owns(req.uri().path()) => secrets::serve(&self, req).await,
             routes::Route::Api => api::handle(&self, req).await,
             routes::Route::Sandbox { id, port } => proxy::handle(&self, &id, port, req).await,
             routes::Route::ByToken(token) => match self.sandboxes.by_token(&token) {

@@ -132,6 +132,11 @@ impl LiveSandbox {
         self.with_instance(Vec::new(), |i| i.blocked())
     }
 
+    /// The headers its egress rules injected so far, per host and header name.
+    pub fn injected(&self) -> Vec<cordon_sandbox::Injected> {
+        self.with_instance(Vec::new(), |i| i.injected())
+    }
+
     /// Replaces its egress policy (new connections only).
     pub fn set_network(&self, policy: cordon_spec::NetworkPolicy) -> Result<(), cordon_sandbox::Error> {
         self.with_instance(Err(cordon_sandbox::Error::Unavailable("the sandbox is gone".into())), |i| i.set_network(policy.clone()))?;
@@ -197,6 +202,8 @@ pub struct Sandboxes {
     pending: AtomicUsize,
     max: usize,
     envd_version: String,
+    /// The egress CA networked sandboxes trust, when the server can inject headers.
+    egress_ca: std::sync::OnceLock<String>,
 }
 
 /// A slot under the concurrency limit, held while a create runs.
@@ -215,7 +222,18 @@ impl Sandboxes {
 
     /// A registry that can pause sandboxes to disk and snapshot them, through `saved`.
     pub fn with_saved(backend: Arc<dyn Backend>, max: usize, envd_version: String, saved: Option<crate::saved::Saved>) -> Arc<Sandboxes> {
-        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version })
+        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new() })
+    }
+
+    /// Makes every networked sandbox trust the egress CA (its certificate, PEM), so that
+    /// header injection rules can be given at create or later.
+    pub fn trust_egress_ca(&self, pem: String) {
+        let _ = self.egress_ca.set(pem);
+    }
+
+    /// The egress CA's certificate, when the server can inject headers.
+    pub fn egress_ca(&self) -> Option<&str> {
+        self.egress_ca.get().map(String::as_str)
     }
 
     /// What sandboxes of `tier` can do here.
@@ -321,6 +339,8 @@ impl Sandboxes {
             keep_writable,
             restore: req.restore.clone(),
             disk_from: req.disk_from.clone(),
+            // Every networked sandbox trusts it: rules may come with a later network update.
+            egress_ca: self.egress_ca().filter(|_| req.network.is_enabled()).map(str::to_string),
             ..Default::default()
         };
         let mut spec = spec;

@@ -177,7 +177,7 @@ async fn start_with(max: usize, network_default: cordon_server::network::Network
     let backend = Arc::new(InProcess { dir: dir.clone() });
     let sandboxes = Sandboxes::new(backend, max, "0.6.13".into());
     let images = cordon_image::Store::open(&dir).unwrap();
-    let app = Arc::new(App { api_key: KEY.into(), sandboxes, images, network_default, domain: None, tls: None, builds: None, templates: None, volumes: None });
+    let app = Arc::new(App { api_key: KEY.into(), sandboxes, images, network_default, domain: None, tls: None, builds: None, templates: None, volumes: None, secrets: Some(cordon_server::secrets::open(&dir).unwrap()) });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(cordon_server::serve(listener, app, std::future::pending()));
@@ -699,4 +699,61 @@ async fn the_open_network_default_gives_e2bs_semantics_and_reports_them() {
     // The closed default: no rules, or deny rules alone, are no network.
     let (mode, allow, _) = network(closed.addr, json!({"templateID": "base", "network": {"denyOut": ["203.0.113.0/24"]}})).await;
     assert_eq!((mode.as_str(), allow.len()), ("closed", 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_never_give_their_value_back() {
+    const VALUE: &str = "s3cr3t-value-never-returned";
+    let s = start(10).await;
+    let r = call(s.addr, Method::GET, "/secrets", &[], "").await;
+    assert_error(&r, StatusCode::UNAUTHORIZED);
+
+    let r = api(s.addr, Method::POST, "/secrets", &json!({"name": "Api-Key", "value": VALUE, "metadata": {"team": "ml"}}).to_string()).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let created = r.json();
+    let id = created["secretID"].as_str().unwrap().to_string();
+    assert!(id.starts_with("sec_"));
+    assert_eq!((&created["name"], &created["currentVersion"], &created["metadata"]), (&json!("api-key"), &json!(1), &json!({"team": "ml"})));
+    let mut keys: Vec<_> = created.as_object().unwrap().keys().cloned().collect();
+    keys.sort();
+    assert_eq!(keys, ["createdAt", "currentVersion", "metadata", "name", "secretID", "updatedAt"]);
+
+    assert_error(&api(s.addr, Method::POST, "/secrets", &json!({"name": "API-KEY", "value": "x"}).to_string()).await, StatusCode::CONFLICT);
+    for bad in [json!({"name": "sec_x", "value": "x"}), json!({"name": "a b", "value": "x"}), json!({"name": "n"}), json!({"name": "n", "value": 12345}), json!([1])] {
+        let r = api(s.addr, Method::POST, "/secrets", &bad.to_string()).await;
+        assert_error(&r, StatusCode::BAD_REQUEST);
+        assert!(!String::from_utf8_lossy(&r.body).contains("12345"), "{:?}", r.body);
+    }
+
+    // By id, by name in any case, percent-encoded.
+    for key in [id.as_str(), "api-key", "API-Key", "api%2Dkey"] {
+        let r = api(s.addr, Method::GET, &format!("/secrets/{key}"), "").await;
+        assert_eq!(r.status, StatusCode::OK, "{key}");
+        assert_eq!(r.json(), created);
+    }
+    assert_error(&api(s.addr, Method::GET, "/secrets/missing", "").await, StatusCode::NOT_FOUND);
+
+    let r = api(s.addr, Method::POST, "/secrets/API-KEY", &json!({"value": "second"}).to_string()).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!((&r.json()["currentVersion"], &r.json()["metadata"]), (&json!(2), &json!({"team": "ml"})));
+    assert_error(&api(s.addr, Method::POST, "/secrets/missing", &json!({"value": "v"}).to_string()).await, StatusCode::NOT_FOUND);
+
+    let r = api(s.addr, Method::POST, "/secrets", &json!({"name": "other", "value": VALUE}).to_string()).await;
+    assert_eq!(r.json()["metadata"], json!({}));
+    let r = api(s.addr, Method::GET, "/secrets?limit=1", "").await;
+    assert_eq!(r.json().as_array().unwrap().len(), 1);
+    let next = r.headers.get("x-next-token").unwrap().to_str().unwrap().to_string();
+    let r = api(s.addr, Method::GET, &format!("/secrets?limit=1&nextToken={next}"), "").await;
+    assert_eq!(r.json()[0]["name"], json!("other"));
+    assert!(r.headers.get("x-next-token").is_none());
+    assert_error(&api(s.addr, Method::GET, "/secrets?limit=0", "").await, StatusCode::BAD_REQUEST);
+    assert_error(&api(s.addr, Method::GET, "/secrets?nextToken=bogus", "").await, StatusCode::BAD_REQUEST);
+    for path in ["/secrets", &format!("/secrets/{id}"), "/secrets?limit=5"] {
+        let r = api(s.addr, Method::GET, path, "").await;
+        assert!(!String::from_utf8_lossy(&r.body).contains(VALUE) && !String::from_utf8_lossy(&r.body).contains("second"), "{path}");
+    }
+
+    let r = api(s.addr, Method::DELETE, "/secrets/Api-Key", "").await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    assert_error(&api(s.addr, Method::DELETE, &format!("/secrets/{id}"), "").await, StatusCode::NOT_FOUND);
 }

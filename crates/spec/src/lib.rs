@@ -8,11 +8,13 @@ mod limits;
 mod network;
 mod parse;
 mod template;
+mod transform;
 
 pub use limits::{Limits, MAX_PIDS, DEFAULT_CPUS, DEFAULT_DISK, DEFAULT_MEMORY, DEFAULT_NOFILE, DEFAULT_PIDS, DEFAULT_TIMEOUT};
 pub use network::{canonical, normalize_name, Cidr, NetRule, NetworkPolicy, Target, Verdict};
 pub use parse::{parse_duration, parse_size, format_size};
 pub use template::TemplateStep;
+pub use transform::{secret_name, valid_value, FillError, HeaderRule, Template, Transforms};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -123,6 +125,12 @@ pub struct SandboxSpec {
     /// only host data a sandbox sees, each named at its create.
     #[serde(default)]
     pub volumes: Vec<VolumeMount>,
+    /// The host's egress CA certificate (PEM), which the sandbox trusts: the tier adds it to
+    /// the image's CA bundle and names the bundle in `SSL_CERT_FILE` and its kin. Set when the
+    /// forwarder may terminate TLS for the hosts of injection rules (now or after a network
+    /// update); `None` leaves the image's trust as it is.
+    #[serde(default)]
+    pub egress_ca: Option<String>,
 }
 
 /// A volume at a path inside the sandbox.
@@ -188,6 +196,7 @@ impl Default for SandboxSpec {
             restore: None,
             disk_from: None,
             volumes: Vec::new(),
+            egress_ca: None,
         }
     }
 }
@@ -207,6 +216,9 @@ impl SandboxSpec {
             }
         }
         validate_user(&self.user)?;
+        if !self.network.transforms.is_empty() && self.egress_ca.is_none() {
+            return Err(SpecError::new("rules", "header injection needs the host's egress CA, which this sandbox was not given"));
+        }
         let mut seen = std::collections::HashSet::new();
         for v in &self.volumes {
             validate_mount_path(&v.target)?;

@@ -269,6 +269,10 @@ pub struct NetworkPolicy {
     /// name rules only add to it. Off (cordon's own semantics): such names are NXDOMAIN.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub resolve_unlisted: bool,
+    /// Headers the forwarder sets on requests to the hosts these rules name (it terminates
+    /// TLS for those hosts only); see [`crate::Transforms`].
+    #[serde(default, skip_serializing_if = "crate::Transforms::is_empty")]
+    pub transforms: crate::Transforms,
 }
 
 mod rules_as_strings {
@@ -292,6 +296,7 @@ impl NetworkPolicy {
             allow: allow.iter().map(|r| r.as_ref().parse()).collect::<Result<_, _>>()?,
             deny: deny.iter().map(|r| r.as_ref().parse()).collect::<Result<_, _>>()?,
             resolve_unlisted: false,
+            transforms: Default::default(),
         })
     }
 

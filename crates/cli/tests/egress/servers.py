@@ -4,6 +4,21 @@ what did and did not arrive.
 
 usage: servers.py DIR IFACE   (DIR holds cert.pem, key.pem, zone.json; LOG is DIR/log)
 
+cert.pem is whatever the caller made: testnet.rs signs it with its own test CA (DIR/ca.pem).
+
+Paths every host answers, on HTTP and HTTPS, for any method (GET, POST, PUT, PATCH, DELETE), with
+HTTP/1.1 keep-alive (every response has a Content-Length):
+  /echo           200, application/json: {"host", "path", "method", "scheme" ("http" or "https"),
+                  "sni" (the TLS server name the client sent, or null), "version", "headers"
+                  (every request header as [name, value], in order, duplicates kept),
+                  "body_len", "body_sha256", "local", "peer"}; also logged as "echo {json}".
+  /redirect?to=U  302 with Location: U.
+  /big[/N]        N bytes (64 MiB without N).
+anything else     "reached ADDR via SCHEME host=HOST" (or a static site, below).
+Each request is logged as "SCHEME ADDR host=HOST path=PATH from=PEER"; a failed TLS handshake as
+"tls-failed ADDR sni=NAME from=PEER REASON", a TLS connection closed after the handshake without a
+request (curl refusing the name, say) as "tls-closed ADDR sni=NAME from=PEER before any request".
+
 Requests for a name that has a directory under DIR/www are served as static files from it:
 a PEP 503 package index (pypi.test, whose wheel lives on files.pypi.test, as pypi.org's live
 on *.pythonhosted.org) and a git repository for git's "dumb" HTTP protocol (git.test). Both are
@@ -25,6 +40,7 @@ import struct
 import subprocess
 import sys
 import threading
+import urllib.parse
 import zipfile
 
 DIR = sys.argv[1]
@@ -42,14 +58,84 @@ def log(line):
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
+    # Keep-alive: every response below sends a Content-Length (send_error closes).
     protocol_version = "HTTP/1.1"
 
+    def handle(self):
+        # HTTPS: the handshake first, so that a failed one is one line in the log and never a
+        # request. A client that checks the name itself after the handshake (curl) just closes:
+        # that is logged too.
+        self.requests = 0
+        if not isinstance(self.connection, ssl.SSLSocket):
+            return super().handle()
+        local = self.connection.getsockname()[0].removeprefix("::ffff:")
+        peer = self.client_address[0]
+        try:
+            self.connection.do_handshake()
+        except (ssl.SSLError, OSError) as e:
+            sni = getattr(self.connection, "sni", None)
+            log(f"tls-failed {local} sni={sni} from={peer} {getattr(e, 'reason', None) or e}")
+            return
+        super().handle()
+        if self.requests == 0:
+            log(f"tls-closed {local} sni={getattr(self.connection, 'sni', None)} from={peer} before any request")
+
+    def parse_request(self):
+        self.requests += 1
+        return super().parse_request()
+
+    def read_body(self):
+        """The request's body (Content-Length or chunked), read whole so that the next request
+        on a kept-alive connection starts where it should."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            body = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return body
+                body += self.rfile.read(size)
+                self.rfile.readline()
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n > 0 else b""
+
+    def reply(self, status, body, headers=()):
+        self.send_response(status)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_GET(self):
+        body = self.read_body()
         local = self.connection.getsockname()[0].removeprefix("::ffff:")
         scheme = "https" if isinstance(self.connection, ssl.SSLSocket) else "http"
         host = self.headers.get("Host", "")
         log(f"{scheme} {local} host={host} path={self.path} from={self.client_address[0]}")
         name = host.split(":")[0].lower()
+        route = self.path.split("?")[0]
+        if route == "/echo":
+            echo = {
+                "host": self.headers.get("Host"),
+                "path": self.path,
+                "method": self.command,
+                "scheme": scheme,
+                "sni": getattr(self.connection, "sni", None),
+                "version": self.request_version,
+                "headers": [[k, v] for k, v in self.headers.items()],
+                "body_len": len(body),
+                "body_sha256": hashlib.sha256(body).hexdigest(),
+                "local": local,
+                "peer": self.client_address[0].removeprefix("::ffff:"),
+            }
+            line = json.dumps(echo)
+            log(f"echo {line}")
+            return self.reply(200, line.encode() + b"\n", [("Content-Type", "application/json")])
+        if route == "/redirect":
+            to = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get("to", [""])[0]
+            return self.reply(302, b"", [("Location", to)])
         if name in os.listdir(WWW):
             return self.static(os.path.join(WWW, name))
         if self.path.startswith("/big"):
@@ -84,6 +170,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
 
     def log_message(self, *a):
         pass
@@ -249,7 +337,15 @@ def main():
     https_srv = Server(("::", 443), Handler)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(os.path.join(DIR, "cert.pem"), os.path.join(DIR, "key.pem"))
-    https_srv.socket = ctx.wrap_socket(https_srv.socket, server_side=True)
+
+    # The name the client asked for (None without SNI), for /echo; one certificate for all.
+    def sni(sock, name, _ctx):
+        sock.sni = name
+
+    ctx.sni_callback = sni
+    # The handshake happens in the request's thread, on its first read: a client that stalls
+    # or fails it (a name mismatch on badcert.test, say) holds up no one else.
+    https_srv.socket = ctx.wrap_socket(https_srv.socket, server_side=True, do_handshake_on_connect=False)
     for target in (http_srv.serve_forever, https_srv.serve_forever, dns_udp, dns_tcp, udp_sink, capture):
         threading.Thread(target=target, daemon=True).start()
     open(os.path.join(DIR, "ready"), "w").close()

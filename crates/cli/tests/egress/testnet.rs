@@ -1,9 +1,15 @@
 //! A private "internet" for the egress tests: a network namespace reached from the host over a
-//! veth, with TEST-NET addresses, running HTTP, HTTPS (self-signed), DNS and a UDP sink, plus a
-//! package index (pypi.test, wheels on files.pypi.test) and a git host (git.test) served as
-//! static files (servers.py). One per test binary, made on first use, removed at exit; a lock file keeps two
+//! veth, with TEST-NET addresses, running HTTP, HTTPS, DNS and a UDP sink, plus a package index
+//! (pypi.test, wheels on files.pypi.test) and a git host (git.test) served as static files
+//! (servers.py). One per test binary, made on first use, removed at exit; a lock file keeps two
 //! test binaries (or the bench) from using the addresses at once, and leftovers of a dead run
 //! are removed first.
+//!
+//! HTTPS verifies against a CA made for the run ("cordon test CA", `test_ca_pem()`): its one
+//! server certificate names every name in the zone except `badcert.test` (BADCERT), which the
+//! same server answers, so a verifying client fails there on the name. Every host answers
+//! `/echo` (the request as JSON, also logged as "echo {json}": `Internet::echoes`) and
+//! `/redirect?to=URL` (a 302), over HTTP and HTTPS; see servers.py.
 #![allow(dead_code)]
 
 use std::fs;
@@ -21,6 +27,8 @@ pub const WILD_V4: &str = "198.51.100.12";
 pub const NET2_V4: &str = "203.0.113.10";
 pub const WEB_V6: &str = "2001:db8:100::10";
 pub const DNS: &str = "198.51.100.10:53";
+/// In the zone and served by the HTTPS server, but not named by its certificate.
+pub const BADCERT: &str = "badcert.test";
 
 pub struct Internet {
     pub ns: String,
@@ -56,7 +64,7 @@ fn ip(args: &[&str]) {
     assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
 }
 
-fn zone() -> String {
+fn zone() -> serde_json::Value {
     serde_json::json!({
         "allowed.test": [WEB_V4, WEB_V6],
         "other.test": [OTHER_V4],
@@ -71,8 +79,47 @@ fn zone() -> String {
         "pypi.test": [WEB_V4],
         "files.pypi.test": [OTHER_V4],
         "git.test": [WEB_V4],
+        "api.test": [WEB_V4],
+        "a.api.test": [WEB_V4],
+        "b.a.api.test": [WEB_V4],
+        "other-api.test": [OTHER_V4],
+        BADCERT: [WEB_V4],
     })
-    .to_string()
+}
+
+/// The run's CA (`dir`/ca.pem, its key ca-key.pem) and the HTTPS server's certificate signed by
+/// it (cert.pem, key.pem) for every name in the zone but BADCERT. Both valid for two days,
+/// with the extensions strict verifiers (webpki, Python 3.13) require.
+fn make_certs(dir: &Path) {
+    let mut sans: Vec<String> = zone().as_object().unwrap().keys().filter(|n| *n != BADCERT).map(|n| format!("DNS:{n}")).collect();
+    sans.extend(["DNS:*.wild.test".to_string(), "DNS:*.pypi.test".to_string()]);
+    let cnf = format!(
+        "[req]\ndistinguished_name = dn\nprompt = no\n[dn]\nCN = cordon test CA\n\
+         [ca]\nbasicConstraints = critical,CA:TRUE\nkeyUsage = critical,keyCertSign,cRLSign\nsubjectKeyIdentifier = hash\n\
+         [leaf]\nbasicConstraints = critical,CA:FALSE\nkeyUsage = critical,digitalSignature\nextendedKeyUsage = serverAuth\n\
+         subjectKeyIdentifier = hash\nauthorityKeyIdentifier = keyid:always\nsubjectAltName = {}\n",
+        sans.join(",")
+    );
+    fs::write(dir.join("openssl.cnf"), cnf).unwrap();
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl").args(args).current_dir(dir).output().expect("run openssl (scripts/install-deps installs it)");
+        assert!(out.status.success(), "openssl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let serial = format!("0x{:x}{:08x}", std::process::id(), now.subsec_nanos());
+    openssl(&[&["req", "-x509", "-config", "openssl.cnf", "-extensions", "ca", "-days", "2", "-subj", "/CN=cordon test CA"][..], &ec, &["-keyout", "ca-key.pem", "-out", "ca.pem"]].concat());
+    openssl(&[&["req", "-new", "-config", "openssl.cnf", "-subj", "/CN=allowed.test"][..], &ec, &["-keyout", "key.pem", "-out", "leaf.csr"]].concat());
+    openssl(&[
+        "x509", "-req", "-in", "leaf.csr", "-CA", "ca.pem", "-CAkey", "ca-key.pem", "-set_serial", &serial, "-days", "2", "-extfile", "openssl.cnf", "-extensions", "leaf", "-out",
+        "cert.pem",
+    ]);
+}
+
+/// The test CA's certificate (PEM), the only root the test internet's HTTPS server chains to
+/// (sets the test internet up if it is not yet).
+pub fn test_ca_pem() -> PathBuf {
+    internet().ca_pem()
 }
 
 const TEST_ADDRS: [&str; 6] = [HOST_V4, WEB_V4, OTHER_V4, WILD_V4, NET2_V4, WEB_V6];
@@ -198,17 +245,8 @@ fn setup() -> Internet {
         assert_eq!(&route_dev(addr), dev, "the test internet changed the host's route to {name} ({addr})");
     }
 
-    let cert = Command::new("openssl")
-        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"])
-        .args(["-subj", "/CN=allowed.test", "-addext", "subjectAltName=DNS:allowed.test,DNS:*.wild.test,DNS:other.test,DNS:pypi.test,DNS:*.pypi.test,DNS:git.test"])
-        .arg("-keyout")
-        .arg(dir.join("key.pem"))
-        .arg("-out")
-        .arg(dir.join("cert.pem"))
-        .output()
-        .expect("run openssl (scripts/install-deps installs it)");
-    assert!(cert.status.success(), "openssl: {}", String::from_utf8_lossy(&cert.stderr));
-    fs::write(dir.join("zone.json"), zone()).unwrap();
+    make_certs(&dir);
+    fs::write(dir.join("zone.json"), zone().to_string()).unwrap();
     fs::write(dir.join("log"), "").unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/egress/servers.py");
     let child = Command::new("ip")
@@ -236,6 +274,18 @@ impl Internet {
     /// Everything the servers logged so far.
     pub fn log(&self) -> String {
         fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
+    /// The test CA's certificate (PEM): see `test_ca_pem`.
+    pub fn ca_pem(&self) -> PathBuf {
+        self.dir.join("ca.pem")
+    }
+
+    /// The `/echo` requests the servers saw after `mark` (all of them for ""), oldest first,
+    /// each the JSON the client got back.
+    pub fn echoes(&self, mark: &str) -> Vec<serde_json::Value> {
+        let log = if mark.is_empty() { self.log() } else { self.since(mark) };
+        log.lines().filter_map(|l| l.strip_prefix("echo ")).map(|j| serde_json::from_str(j).expect("an echo log line is JSON")).collect()
     }
 
     /// The value of the module in the test index's package (random per run, so only an install
