@@ -1,0 +1,239 @@
+"""Secrets injected at egress through the real `e2b` package: `Secret.create` and a sandbox whose
+`network` names a rule with `Secret.fill(...)`; an HTTPS server outside that echoes request
+headers receives the real value, while inside the sandbox only the placeholder exists.
+
+The outside is a network namespace this test makes, on TEST-NET-3 (203.0.113.64/26, checked
+unrouted with `ip route get` first), holding an HTTPS echo server whose certificate a test CA
+signed. A second `cordon serve` on the suite's state dir is started with `--upstream-ca` naming
+that CA (the suite's server trusts the host's store, which does not know it). The sandbox
+reaches the server by address (`allowOut`), naming it `api.e2b.test` in SNI; the forwarder
+terminates TLS for that name only, because the rule names it."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import httpx
+import pytest
+from e2b import Sandbox, Secret
+
+from conftest import API_KEY
+
+STATE = os.environ.get("CORDON_HOME", "/var/lib/cordon")
+NS = f"cordon-e2b-inj-{os.getpid()}"
+HOST_IP, SERVER_IP, PREFIX = "203.0.113.65", "203.0.113.70", 26
+NAME = "api.e2b.test"
+
+SERVER = textwrap.dedent(
+    """
+    import http.server, json, ssl, sys
+    class H(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        def do_GET(self):
+            body = json.dumps({"path": self.path, "host": self.headers.get("Host"), "headers": [[k, v] for k, v in self.headers.items()]}).encode()
+            with open(sys.argv[2], "a") as f:
+                f.write(body.decode() + "\\n")
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *a):
+            pass
+    srv = http.server.ThreadingHTTPServer((sys.argv[1], 443), H)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(sys.argv[3], sys.argv[4])
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    srv.serve_forever()
+    """
+)
+
+
+def sh(*args, check=True):
+    return subprocess.run(args, check=check, capture_output=True, text=True)
+
+
+def route_dev(ip):
+    out = sh("ip", "route", "get", ip, check=False).stdout
+    parts = out.split()
+    return parts[parts.index("dev") + 1] if "dev" in parts else ""
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a network namespace")
+    d = tmp_path_factory.mktemp("inject")
+    default_dev = route_dev("192.0.2.1") or route_dev("8.8.8.8")
+    if route_dev(SERVER_IP) not in ("", default_dev):
+        pytest.skip(f"{SERVER_IP} already has a route of its own on this host ({route_dev(SERVER_IP)})")
+    ca_key, ca, key, csr, cert = (str(d / n) for n in ("ca.key", "ca.pem", "srv.key", "srv.csr", "srv.pem"))
+    sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=cordon e2b test CA")
+    sh("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={NAME}")
+    ext = d / "ext.cnf"
+    ext.write_text(f"subjectAltName=DNS:{NAME}\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
+    sh("openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "2", "-extfile", str(ext))
+    host_if, ns_if = f"ci{os.getpid() % 100000}", f"cn{os.getpid() % 100000}"
+    sh("ip", "netns", "add", NS)
+    server = None
+    try:
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        sh("ip", "link", "set", ns_if, "netns", NS)
+        sh("ip", "addr", "add", f"{HOST_IP}/{PREFIX}", "dev", host_if)
+        sh("ip", "link", "set", host_if, "up")
+        sh("ip", "netns", "exec", NS, "ip", "addr", "add", f"{SERVER_IP}/{PREFIX}", "dev", ns_if)
+        sh("ip", "netns", "exec", NS, "ip", "link", "set", ns_if, "up")
+        sh("ip", "netns", "exec", NS, "ip", "link", "set", "lo", "up")
+        assert route_dev(SERVER_IP) == host_if, "the test address does not route to the test's namespace"
+        log = d / "echo.log"
+        log.touch()
+        (d / "server.py").write_text(SERVER)
+        server = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, str(d / "server.py"), SERVER_IP, str(log), cert, key])
+        for _ in range(100):
+            if sh("ip", "netns", "exec", NS, "ss", "-ltn", "sport", "= :443", check=False).stdout.count("LISTEN"):
+                break
+            time.sleep(0.1)
+        yield {"ca": ca, "log": log}
+    finally:
+        if server:
+            server.kill()
+            server.wait()
+        sh("ip", "link", "del", host_if, check=False)
+        sh("ip", "netns", "del", NS, check=False)
+
+
+@pytest.fixture(scope="module")
+def server(outside, tmp_path_factory):
+    """A `cordon serve` that verifies upstream hosts against the test CA."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [os.environ["CORDON_BIN"], "serve", "-vv", "--state-dir", STATE, "--listen", f"127.0.0.1:{port}", "--api-key", API_KEY, "--upstream-ca", outside["ca"]],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, "the server exited: " + log_path.read_text(errors="replace")[-2000:]
+            time.sleep(0.1)
+        yield {"opts": {"api_key": API_KEY, "api_url": url, "sandbox_url": url}, "url": url, "log": log_path}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
+
+
+def echoes(outside, tag):
+    lines = outside["log"].read_text().splitlines()
+    return [e for e in map(json.loads, lines) if tag in e["path"]]
+
+
+def header(echo, name):
+    return [v for k, v in echo["headers"] if k.lower() == name.lower()]
+
+
+def test_the_sdk_injects_a_secret_that_the_sandbox_never_holds(outside, server):
+    value, value2 = f"sk-{uuid.uuid4().hex}", f"sk-{uuid.uuid4().hex}"
+    name = f"inj-{uuid.uuid4().hex[:10]}"
+    opts = server["opts"]
+    Secret.create(name, value, **opts)
+    tag = uuid.uuid4().hex
+    try:
+        sbx = Sandbox.create(
+            network={
+                "allow_out": [SERVER_IP],
+                "rules": {NAME: [{"transform": {"headers": {"Authorization": f"Bearer {Secret.fill(name)}"}}}]},
+            },
+            timeout=120,
+            **opts,
+        )
+        try:
+            # The placeholder the sandbox sees, sent by the sandbox itself to the rule's host; the
+            # sandbox trusts the forwarder's certificate without flags.
+            # The echo server would hand the header back: the sandbox discards the body (an upstream
+            # that reflects a credential gives it away, whoever injects it).
+            curl = f"curl -sS --fail -o /dev/null --resolve {NAME}:443:{SERVER_IP} -H 'Authorization: placeholder' https://{NAME}/echo?t={tag}"
+            r = sbx.commands.run(curl)
+            assert r.exit_code == 0, r.stderr
+            assert value not in r.stdout
+            # A new value applies to the next request, with no change to the sandbox.
+            Secret.update(name, value2, **opts)
+            r = sbx.commands.run(curl.replace(f"t={tag}", f"t={tag}-2"))
+            assert r.exit_code == 0, r.stderr
+            # Nowhere inside: environment, every process's, the files a user can read.
+            r = sbx.commands.run("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; grep -rIl sk- /etc /home /tmp 2>/dev/null; true", user="root")
+            assert value not in r.stdout and value2 not in r.stdout
+            info = Sandbox.get_info(sbx.sandbox_id, **opts)
+            raw = httpx.get(f"{server['url']}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": API_KEY}, timeout=30).json()
+            assert raw["network"]["rules"] == {NAME: [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets." + name + "}"}}}]}
+            assert value not in json.dumps(raw) and info.sandbox_id == sbx.sandbox_id
+            audit = httpx.get(f"{server['url']}/sandboxes/{sbx.sandbox_id}/audit", headers={"X-API-KEY": API_KEY}, timeout=30).json()
+            assert {"host": NAME, "header": "authorization", "count": 2} in audit["injectedHeaders"], audit
+            assert value not in json.dumps(audit)
+        finally:
+            sbx.kill()
+        got = echoes(outside, tag)
+        assert len(got) == 2, got
+        assert header(got[0], "authorization") == [f"Bearer {value}"], got
+        assert header(got[1], "authorization") == [f"Bearer {value2}"], got
+    finally:
+        Secret.destroy(name, **opts)
+    log = server["log"].read_text(errors="replace")
+    assert value not in log and value2 not in log
+
+
+def test_rules_are_checked_like_e2b(server):
+    opts = server["opts"]
+    url = server["url"]
+
+    def create(network):
+        return httpx.post(f"{url}/sandboxes", headers={"X-API-KEY": API_KEY}, json={"templateID": "base", "network": network}, timeout=60)
+
+    ok = {"allowOut": [SERVER_IP]}
+    cases = [
+        ({**ok, "rules": {NAME: [{"transform": {"headers": {"X": "${e2b.secrets.no-such-secret}"}}}]}}, "does not exist"),
+        ({**ok, "rules": {NAME: [{}, {}]}}, "at most 1"),
+        ({**ok, "rules": {"*": []}}, "not a DNS name"),
+        ({**ok, "rules": {NAME: [{"transform": {"headers": {"X": "${e2b.secrets.a"}}}]}}, "not closed"),
+        ({**ok, "rules": {NAME: [{"transform": {"headers": {"X": "${e2b.identity.tokens.aws}"}}}]}}, "identity tokens"),
+        ({**ok, "rules": {NAME: [{"transform": {"headers": {"Bad Header": "v"}}}]}}, "header name"),
+        ({**ok, "rules": {f"h{i}.e2b.test": [] for i in range(11)}}, "at most 10"),
+    ]
+    for network, want in cases:
+        r = create(network)
+        assert r.status_code == 400 and want in r.text, (network, r.status_code, r.text)
+    # The same checks on an update of a running sandbox, whose rules are replaced whole.
+    value = f"sk-{uuid.uuid4().hex}"
+    name = f"upd-{uuid.uuid4().hex[:10]}"
+    Secret.create(name, value, **opts)
+    try:
+        sbx = Sandbox.create(network={"allow_out": [SERVER_IP]}, timeout=120, **opts)
+        try:
+            put = lambda body: httpx.put(f"{url}/sandboxes/{sbx.sandbox_id}/network", headers={"X-API-KEY": API_KEY}, json=body, timeout=30)
+            assert put({**ok, "rules": {NAME: [{"transform": {"headers": {"X": "${e2b.secrets.nope}"}}}]}}).status_code == 400
+            assert put({**ok, "rules": {NAME: [{"transform": {"headers": {"X-Key": Secret.fill(name)}}}]}}).status_code == 204
+            raw = httpx.get(f"{url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": API_KEY}, timeout=30).json()
+            assert list(raw["network"]["rules"]) == [NAME]
+            assert put(ok).status_code == 204
+            raw = httpx.get(f"{url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": API_KEY}, timeout=30).json()
+            assert raw["network"]["rules"] == {}
+        finally:
+            sbx.kill()
+    finally:
+        Secret.destroy(name, **opts)
