@@ -82,6 +82,8 @@ impl InjectArgs {
         if rules.is_empty() {
             return Ok(None);
         }
+        // The secrets' values live in this process from here on: never in a core dump.
+        cordon_host::sys::forbid_core_dumps()?;
         let ca = Arc::new(cordon_net::EgressCa::open(state_dir)?);
         let i = cordon_net::Interception::new(ca, self.upstream_ca.as_deref(), Arc::new(self.given()?)).map_err(|e| usage(format!("--upstream-ca: {e}")))?;
         Ok(Some(Arc::new(i)))

@@ -144,6 +144,8 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     cordon_host::orphans::start();
     // Opening a tier reaps every sandbox of it a crashed cordon left behind: sandboxes are not
     // adopted, since their tokens and deadlines died with the old process.
+    // The secret store's values live in this process from here on: never in a core dump.
+    cordon_host::sys::forbid_core_dumps().context("make the server undumpable")?;
     let secrets = cordon_server::secrets::open(state.dir())?;
     let intercept = interception(state, a.upstream_ca.as_deref(), &secrets)?;
     let host = cordon_sandbox::Host { intercept: intercept.clone(), ..state.host(Some(a.envd_version.clone())) };

@@ -205,3 +205,41 @@ fn bad_injection_flags_are_refused_with_a_clear_message() {
         assert!(err.contains(want) && err.lines().count() == 1, "{flags:?}: {err}");
     }
 }
+
+/// A process holding secrets' values never leaves them in a core dump: `cordon serve` killed by
+/// SIGABRT writes none where an ordinary process, killed the same way, does.
+#[test]
+fn the_server_holding_secrets_leaves_no_core_dump() {
+    if !is_root() {
+        skip("this test starts cordon serve and needs root (CI runs as root)");
+        return;
+    }
+    let pattern = std::fs::read_to_string("/proc/sys/kernel/core_pattern").unwrap_or_default();
+    if pattern.trim() != "core" {
+        skip(&format!("core_pattern is '{}', not a plain file in the working directory this test can look in", pattern.trim()));
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("cordon-core-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dumped = |script: &str, ready: &dyn Fn() -> bool| -> bool {
+        let sub = dir.join(format!("{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()));
+        std::fs::create_dir_all(&sub).unwrap();
+        let mut child = std::process::Command::new("bash").arg("-c").arg(format!("ulimit -c unlimited; exec {script}")).current_dir(&sub).env("CORDON_HOME", state_dir()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+        let t0 = std::time::Instant::now();
+        let exec_done = || std::fs::read_to_string(format!("/proc/{}/comm", child.id())).is_ok_and(|c| c.trim() != "bash");
+        while !(exec_done() && ready()) && t0.elapsed() < std::time::Duration::from_secs(60) {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        std::process::Command::new("kill").args(["-ABRT", &child.id().to_string()]).status().unwrap();
+        let _ = child.wait();
+        std::fs::read_dir(&sub).unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with("core"))
+    };
+    // The control: this host does write core files for an ordinary process.
+    assert!(dumped("sleep 60", &|| true), "an ordinary process left no core here: the check below would prove nothing");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let serve = format!("{} serve --listen 127.0.0.1:{port} --api-key e2b_{}", cordon_bin().display(), "0".repeat(40));
+    // Up: answering on its port (so past the store's opening), as itself, not the shell.
+    let up = || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+    assert!(!dumped(&serve, &up), "cordon serve left a core dump");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
