@@ -243,3 +243,36 @@ fn the_server_holding_secrets_leaves_no_core_dump() {
     assert!(!dumped(&serve, &up), "cordon serve left a core dump");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The clients agent code uses trust the egress CA without a flag: each one's request to the
+/// rule's host completes its handshake and arrives with the header. Tools the image lacks are
+/// said so and left out; curl, Python and git are in every image the tests use.
+#[test]
+fn common_clients_trust_the_egress_ca_without_flags() {
+    if !is_root() {
+        skip("this test runs real sandboxes and needs root (CI runs as root)");
+        return;
+    }
+    let (r, tag) = injecting(
+        Tier::Ns,
+        r#"curl -sS --fail -o /dev/null "https://api.test/echo?t=$T-curl" && echo ok curl
+python3 -c 'import os, urllib.request; urllib.request.urlopen("https://api.test/echo?t=" + os.environ["T"] + "-urllib")' && echo ok urllib
+# git asks for refs and gets JSON back: the handshake (and the request) is what counts here.
+git ls-remote "https://api.test/echo?t=$T-git" >/dev/null 2>/tmp/git.err; grep -q 'SSL\|certificate' /tmp/git.err || echo ok git
+python3 -c 'import requests' 2>/dev/null && python3 -c 'import os, requests; requests.get("https://api.test/echo?t=" + os.environ["T"] + "-requests").raise_for_status()' && echo ok requests
+command -v pip >/dev/null && { pip download --no-deps -q -d /tmp/dl --index-url "https://api.test/echo?t=$T-pip" nothing-here >/dev/null 2>/tmp/pip.err; grep -q 'SSL\|CERTIFICATE' /tmp/pip.err || echo ok pip; }
+command -v node >/dev/null && node -e 'require("https").get("https://api.test/echo?t="+process.env.T+"-node", r => { r.resume(); r.on("end", () => console.log("ok node")) })'
+true"#,
+    );
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let ok: Vec<&str> = r.stdout.lines().filter_map(|l| l.strip_prefix("ok ")).collect();
+    for must in ["curl", "urllib", "git"] {
+        assert!(ok.contains(&must), "{must} did not get through: {}\n{}", r.stdout, r.stderr);
+    }
+    let echoes = echoes_for(&tag, "api.test");
+    for tool in &ok {
+        let e = echoes.iter().find(|e| e["path"].as_str().unwrap().contains(&format!("{tag}-{tool}"))).unwrap_or_else(|| panic!("{tool}: no request arrived"));
+        assert_eq!(header(e, "authorization"), [format!("Bearer {SECRET}").as_str()], "{tool}");
+    }
+    eprintln!("clients that trusted the egress CA: {}", ok.join(", "));
+}

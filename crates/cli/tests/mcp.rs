@@ -3,6 +3,8 @@
 //! closed network, and teardown on EOF and on SIGTERM with nothing left on the host.
 
 mod common;
+#[path = "egress/testnet.rs"]
+mod testnet;
 
 use common::*;
 use rmcp::model::{
@@ -354,6 +356,33 @@ async fn a_volume_is_the_workspace_that_outlives_each_session() {
     assert!(wait_exit(&mut s.child).await.success());
     let rm = cordon().args(["volume", "rm", &name]).output().unwrap();
     assert!(rm.status.success(), "{}", String::from_utf8_lossy(&rm.stderr));
+}
+
+/// An operator gives the agent a usable key without handing it over: `cordon mcp --secret
+/// --inject`, and the model's code reaches the API with the header it never sees.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_uses_a_key_it_never_holds() {
+    require_root!();
+    testnet::internet();
+    let ca = testnet::test_ca_pem();
+    let value = format!("mcp-key-{}", std::process::id());
+    let secret = format!("KEY={value}");
+    let tag = format!("mcp{}", std::process::id());
+    let flags = [
+        "--dns-upstream", testnet::DNS, "--upstream-ca", ca.to_str().unwrap(), "--allow-net", "api.test",
+        "--secret", &secret, "--inject", "api.test:Authorization=Bearer ${secrets.KEY}",
+    ];
+    let mut s = start(&flags).await;
+    let cmd = format!("curl -sS --fail -o /dev/null -w '%{{http_code}}' 'https://api.test/echo?t={tag}'; env | grep -c {value}");
+    let r = run_of(&call(&s, "run_command", json!({"command": cmd})).await);
+    assert!(r["stdout"].as_str().unwrap().starts_with("200"), "{r}");
+    assert!(r["stdout"].as_str().unwrap().trim_end().ends_with('0'), "the key is in the sandbox's environment: {r}");
+    s.client.cancel().await.unwrap();
+    assert!(wait_exit(&mut s.child).await.success());
+    let got: Vec<Value> = testnet::internet().echoes("").into_iter().filter(|e| e["path"].as_str().is_some_and(|p| p.contains(&tag))).collect();
+    assert_eq!(got.len(), 1, "{got:?}");
+    let auth: Vec<&str> = got[0]["headers"].as_array().unwrap().iter().filter(|h| h[0].as_str().unwrap().eq_ignore_ascii_case("authorization")).map(|h| h[1].as_str().unwrap()).collect();
+    assert_eq!(auth, [format!("Bearer {value}").as_str()]);
 }
 
 #[test]
