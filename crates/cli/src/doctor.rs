@@ -54,6 +54,12 @@ fn host_checks(state: &State) -> Vec<Finding> {
         (None, _) => Finding::warn("volumes", "mkfs.ext4 is missing: volumes cannot be created", "apt-get install e2fsprogs"),
         (_, false) => Finding::warn("volumes", "no /dev/loop-control: volumes cannot be mounted", "modprobe loop"),
     });
+    let ca = state.dir().join("egress-ca/ca.pem");
+    let made = if ca.exists() { format!("egress CA {}", ca.display()) } else { "egress CA made on first use".to_string() };
+    out.push(match cordon_net::intercept::host_trust_count() {
+        0 => Finding::warn("injection", format!("{made}; the host's trust store is empty: hosts of --inject / network.rules cannot be verified"), "apt-get install ca-certificates, or give --upstream-ca FILE"),
+        n => Finding::ok("injection", format!("{made}; upstream hosts verified against the host's {n} CA certificates")),
+    });
     let images = state.images().ok().and_then(|s| s.list().ok()).unwrap_or_default();
     out.push(if images.iter().any(|i| i.name == "base") {
         Finding::ok("image base", format!("in {}", state.dir().display()))

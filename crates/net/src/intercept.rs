@@ -122,6 +122,12 @@ impl Interception {
     }
 }
 
+/// How many CA certificates the host's trust store holds: what upstream hosts of injection
+/// rules are verified against without `--upstream-ca` (0: injection needs that flag).
+pub fn host_trust_count() -> usize {
+    rustls_native_certs::load_native_certs().certs.len()
+}
+
 #[derive(Debug)]
 struct Fixed(Arc<rustls::sign::CertifiedKey>);
 
