@@ -371,7 +371,7 @@ fn import_a_rootfs_tarball_and_run_it() {
 fn doctor_reports_every_feature() {
     let out = cordon().arg("doctor").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    for item in ["user namespaces", "overlayfs", "cgroups", "seccomp", "landlock", "kvm", "runsc", "qemu", "tier ns", "tier gvisor", "volumes"] {
+    for item in ["user namespaces", "overlayfs", "cgroups", "seccomp", "landlock", "kvm", "runsc", "qemu", "tier ns", "tier gvisor", "volumes", "injection"] {
         assert!(text.contains(item), "doctor does not mention {item}:\n{text}");
     }
     if is_root() {
