@@ -55,6 +55,24 @@ SERVER = textwrap.dedent(
 )
 
 
+# The same echo over HTTP/2 (and HTTP/1.1), as an ASGI app under hypercorn on port 8443: the
+# forwarder speaks whichever the host takes.
+H2_SERVER = textwrap.dedent(
+    """
+    import json, os
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        path = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"] else "")
+        body = json.dumps({"path": path, "version": scope["http_version"], "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]]})
+        with open(os.environ["ECHO_LOG"], "a") as f:
+            f.write(body + "\\n")
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body.encode()})
+    """
+)
+
+
 def sh(*args, check=True):
     return subprocess.run(args, check=check, capture_output=True, text=True)
 
@@ -81,7 +99,7 @@ def outside(tmp_path_factory):
     sh("openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "2", "-extfile", str(ext))
     host_if, ns_if = f"ci{os.getpid() % 100000}", f"cn{os.getpid() % 100000}"
     sh("ip", "netns", "add", NS)
-    server = None
+    server = h2 = None
     try:
         sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         sh("ip", "link", "set", ns_if, "netns", NS)
@@ -95,15 +113,22 @@ def outside(tmp_path_factory):
         log.touch()
         (d / "server.py").write_text(SERVER)
         server = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, str(d / "server.py"), SERVER_IP, str(log), cert, key])
+        (d / "h2echo.py").write_text(H2_SERVER)
+        h2 = subprocess.Popen(
+            ["ip", "netns", "exec", NS, sys.executable, "-m", "hypercorn", "--certfile", cert, "--keyfile", key, "--bind", f"{SERVER_IP}:8443", "h2echo:app"],
+            cwd=d, env={**os.environ, "ECHO_LOG": str(log)}, stdout=open(d / "h2.out", "wb"), stderr=subprocess.STDOUT,
+        )
         for _ in range(100):
-            if sh("ip", "netns", "exec", NS, "ss", "-ltn", "sport", "= :443", check=False).stdout.count("LISTEN"):
+            listening = sh("ip", "netns", "exec", NS, "ss", "-ltn", check=False).stdout
+            if ":443 " in listening and ":8443 " in listening:
                 break
             time.sleep(0.1)
         yield {"ca": ca, "log": log}
     finally:
-        if server:
-            server.kill()
-            server.wait()
+        for p in (server, h2):
+            if p:
+                p.kill()
+                p.wait()
         sh("ip", "link", "del", host_if, check=False)
         sh("ip", "netns", "del", NS, check=False)
 
@@ -172,6 +197,11 @@ def test_the_sdk_injects_a_secret_that_the_sandbox_never_holds(outside, server):
             r = sbx.commands.run(curl)
             assert r.exit_code == 0, r.stderr
             assert value not in r.stdout
+            # HTTP/2 both ways: the sandbox's curl and the host (hypercorn) each speak it.
+            h2 = f"curl -sS --fail --http2 -o /dev/null -w '%{{http_version}}' --resolve {NAME}:8443:{SERVER_IP} https://{NAME}:8443/echo?t={tag}-h2"
+            r = sbx.commands.run(h2 + "; true")
+            why = httpx.get(f"{server['url']}/sandboxes/{sbx.sandbox_id}/audit", headers={"X-API-KEY": API_KEY}, timeout=30).text
+            assert r.stdout == "2", f"{r.stdout} {r.stderr} {why}"
             # A new value applies to the next request, with no change to the sandbox.
             Secret.update(name, value2, **opts)
             r = sbx.commands.run(curl.replace(f"t={tag}", f"t={tag}-2"))
@@ -184,14 +214,16 @@ def test_the_sdk_injects_a_secret_that_the_sandbox_never_holds(outside, server):
             assert raw["network"]["rules"] == {NAME: [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets." + name + "}"}}}]}
             assert value not in json.dumps(raw) and info.sandbox_id == sbx.sandbox_id
             audit = httpx.get(f"{server['url']}/sandboxes/{sbx.sandbox_id}/audit", headers={"X-API-KEY": API_KEY}, timeout=30).json()
-            assert {"host": NAME, "header": "authorization", "count": 2} in audit["injectedHeaders"], audit
+            assert {"host": NAME, "header": "authorization", "count": 3} in audit["injectedHeaders"], audit
             assert value not in json.dumps(audit)
         finally:
             sbx.kill()
         got = echoes(outside, tag)
-        assert len(got) == 2, got
-        assert header(got[0], "authorization") == [f"Bearer {value}"], got
-        assert header(got[1], "authorization") == [f"Bearer {value2}"], got
+        assert len(got) == 3, got
+        first, over_h2, after_update = got
+        assert header(first, "authorization") == [f"Bearer {value}"], got
+        assert over_h2["version"] == "2" and header(over_h2, "authorization") == [f"Bearer {value}"], over_h2
+        assert header(after_update, "authorization") == [f"Bearer {value2}"], got
     finally:
         Secret.destroy(name, **opts)
     log = server["log"].read_text(errors="replace")
