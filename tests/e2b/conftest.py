@@ -3,8 +3,13 @@ E2B_API_URL and E2B_SANDBOX_URL; every test talks to it through the real `e2b` p
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import time
 import uuid
 
+import httpx
 import pytest
 from e2b import Sandbox
 
@@ -49,3 +54,52 @@ def shared():
 @pytest.fixture
 def unique():
     return uuid.uuid4().hex
+
+
+def free_port():
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    """Another `cordon serve` (the binary run.sh exports as CORDON_BIN) on a port of its own, with
+    the suite's API key and whatever extra `args` (a restart, another state dir, a flag the suite's
+    server lacks). Its output goes to `log` (a file opened for writing), or nowhere."""
+
+    def __init__(self, *args, log=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.log = log
+        self.proc = None
+
+    def start(self):
+        out = self.log if self.log is not None else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [os.environ["CORDON_BIN"], "serve", "--listen", f"127.0.0.1:{self.port}", "--api-key", API_KEY, *self.args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        for _ in range(600):
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, "the second server exited"
+            time.sleep(0.1)
+        raise AssertionError("the second server did not start")
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=60)
+
+    def api(self, method, path, **kw):
+        return httpx.request(method, self.url + path, headers={"X-API-KEY": API_KEY}, timeout=120, **kw)
+
+    def sdk(self):
+        """Keyword arguments that point the SDK at this server."""
+        return {"api_url": self.url, "sandbox_url": self.url, "api_key": API_KEY}

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,6 +15,8 @@ import time
 import httpx
 import pytest
 from e2b import Sandbox, ServiceBusyException
+
+from conftest import free_port
 
 CORDON = os.environ.get("CORDON_BIN", "cordon")
 KEY = "e2b_" + "1" * 40
@@ -28,10 +29,7 @@ def fresh_server():
     """`cordon serve` on a state dir of its own, with no image in it."""
     home = tempfile.mkdtemp(prefix="cordon-first-build-", dir="/var/tmp")
     os.chmod(home, 0o755)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     log = os.path.join(home, "serve.log")
     with open(log, "wb") as out:
         proc = subprocess.Popen(

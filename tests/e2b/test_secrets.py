@@ -8,18 +8,14 @@ neither an answer nor a log line may hold a secret's value. A second `cordon ser
 state dir (the binary run.sh exports as CORDON_BIN) reads the secrets back, as a restart would."""
 
 import os
-import signal
-import socket
 import stat
-import subprocess
-import time
 import uuid
 
 import httpx
 import pytest
 from e2b import Secret, SecretException, SecretNotFoundException
 
-from conftest import API_KEY, API_URL
+from conftest import API_KEY, API_URL, Serve
 
 STATE = os.environ.get("CORDON_HOME", "/var/lib/cordon")
 STORE = os.path.join(STATE, "secrets")
@@ -182,36 +178,6 @@ def test_the_server_log_holds_no_value():
         assert v not in f.read()
 
 
-class SecondServer:
-    """Another `cordon serve` on the suite's state dir: it loads the store from disk."""
-
-    def __init__(self, log):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [os.environ["CORDON_BIN"], "serve", "-vv", "--state-dir", STATE, "--listen", f"127.0.0.1:{self.port}", "--api-key", API_KEY],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        for _ in range(600):
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, "the second server exited"
-            time.sleep(0.1)
-        raise AssertionError("the second server did not start")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
-
-
 def test_secrets_are_read_back_by_a_new_server(tmp_path):
     v = value()
     n = name()
@@ -219,7 +185,7 @@ def test_secrets_are_read_back_by_a_new_server(tmp_path):
     log_path = tmp_path / "serve.log"
     try:
         with open(log_path, "wb") as log:
-            srv = SecondServer(log)
+            srv = Serve("-vv", "--state-dir", STATE, log=log).start()
         try:
             opts = {"api_url": srv.url, "api_key": API_KEY}
             info = Secret.get_info(n.upper(), **opts)

@@ -11,8 +11,6 @@ terminates TLS for that name only, because the rule names it."""
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,7 +21,7 @@ import httpx
 import pytest
 from e2b import Sandbox, Secret
 
-from conftest import API_KEY
+from conftest import API_KEY, Serve
 
 STATE = os.environ.get("CORDON_HOME", "/var/lib/cordon")
 NS = f"cordon-e2b-inj-{os.getpid()}"
@@ -136,32 +134,13 @@ def outside(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(outside, tmp_path_factory):
     """A `cordon serve` that verifies upstream hosts against the test CA."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [os.environ["CORDON_BIN"], "serve", "-vv", "--state-dir", STATE, "--listen", f"127.0.0.1:{port}", "--api-key", API_KEY, "--upstream-ca", outside["ca"]],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    with open(log_path, "wb") as log:
+        srv = Serve("-vv", "--state-dir", STATE, "--upstream-ca", outside["ca"], log=log).start()
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, "the server exited: " + log_path.read_text(errors="replace")[-2000:]
-            time.sleep(0.1)
-        yield {"opts": {"api_key": API_KEY, "api_url": url, "sandbox_url": url}, "url": url, "log": log_path}
+        yield {"opts": srv.sdk(), "url": srv.url, "log": log_path}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        log.close()
+        srv.stop()
 
 
 def echoes(outside, tag):

@@ -3,7 +3,6 @@ Each test starts its own `cordon serve` (the binary run.sh exports as CORDON_BIN
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -11,16 +10,15 @@ import urllib.request
 import pytest
 from e2b import RateLimitException, Sandbox
 
+from conftest import free_port
+
 STATE = os.environ.get("CORDON_HOME", "/var/lib/cordon")
 KEY = "e2b_" + "1" * 40
 
 
 class Server:
     def __init__(self, *args):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [os.environ["CORDON_BIN"], "serve", "--listen", f"127.0.0.1:{self.port}", "--api-key", KEY, *args],

@@ -11,8 +11,6 @@ import glob
 import json
 import os
 import signal
-import socket
-import subprocess
 import threading
 import time
 from datetime import datetime, timezone
@@ -22,7 +20,7 @@ import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import SandboxException, SandboxNotFoundException
 
-from conftest import API_KEY, API_URL, BASE_URL, needs_runsc
+from conftest import API_KEY, API_URL, BASE_URL, Serve, needs_runsc
 
 STATE_DIR = os.environ.get("CORDON_HOME", "/var/lib/cordon")
 HEADERS = {"X-API-KEY": API_KEY}
@@ -489,47 +487,8 @@ def test_a_gvisor_sandbox_with_a_network_policy_pauses_in_place():
         sbx.kill()
 
 
-class Server:
-    """A second `cordon serve` on the same state dir, for restarts."""
-
-    def __init__(self):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self):
-        self.proc = subprocess.Popen(
-            [os.environ["CORDON_BIN"], "serve", "--listen", f"127.0.0.1:{self.port}", "--api-key", API_KEY],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(600):
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, "the second server exited"
-            time.sleep(0.1)
-        raise AssertionError("the second server did not start")
-
-    def stop(self, sig=signal.SIGTERM):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=60)
-
-    def api(self, method, path, **kw):
-        return httpx.request(method, self.url + path, headers=HEADERS, timeout=120, **kw)
-
-    def sdk(self):
-        return {"api_url": self.url, "sandbox_url": self.url, "api_key": API_KEY}
-
-
 def test_a_filesystem_paused_sandbox_survives_a_restart():
-    srv = Server()
+    srv = Serve()
     srv.start()
     try:
         sbx = Sandbox.create(timeout=120, **srv.sdk())
@@ -554,7 +513,7 @@ def test_a_filesystem_paused_sandbox_survives_a_restart():
 
 
 def test_a_gvisor_sandbox_paused_with_memory_survives_a_restart():
-    srv = Server()
+    srv = Serve()
     srv.start()
     try:
         r = srv.api("POST", "/sandboxes", json={"templateID": "base", "tier": "gvisor", "timeout": 120})
@@ -612,7 +571,7 @@ def _images():
 
 
 def test_a_server_killed_during_a_pause_or_a_fork_leaves_nothing_broken():
-    srv = Server()
+    srv = Serve()
     srv.start()
     try:
         images = _images()
