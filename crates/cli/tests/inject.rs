@@ -41,20 +41,8 @@ fn injecting(tier: Tier, script: &str) -> (Run, String) {
         "--inject", "*.api.test:X-Api-Key=${secrets.KEY}",
         "--inject", "badcert.test:Authorization=Bearer ${secrets.KEY}",
     ];
-    ensure_base();
-    let out = cordon()
-        .arg("run")
-        .arg("--json")
-        .args(flags)
-        .arg("--")
-        .args(["bash", "-c", script])
-        // `--secret KEY` reads `KEY` from cordon's environment; the sandbox's environment is
-        // its own (cordon passes none of its own on).
-        .env("KEY", SECRET)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("run cordon");
-    (parse(out), tag)
+    // `--secret KEY` reads `KEY` from cordon's environment.
+    (run_with_env(&flags, &["bash", "-c", script], &[("KEY", SECRET)]), tag)
 }
 
 fn header<'a>(echo: &'a Value, name: &str) -> Vec<&'a str> {
@@ -173,10 +161,7 @@ fn a_redirect_to_another_host_does_not_carry_the_header(tier: Tier) {
 /// the secret; plain HTTP to the rule's host is injected too.
 #[test]
 fn a_request_for_another_host_on_an_injected_connection_is_refused() {
-    if !is_root() {
-        skip("this test runs real sandboxes and needs root (CI runs as root)");
-        return;
-    }
+    require_root!();
     let (r, tag) = injecting(
         Tier::Ns,
         "curl -sS -o /dev/null -w 'code=%{http_code}\\n' -H 'Host: other-api.test' --connect-to other-api.test:443:api.test:443 https://api.test/echo?t=$T; curl -sS --fail -o /dev/null http://api.test/echo?t=$T && echo PLAIN-OK",
@@ -249,10 +234,7 @@ fn the_server_holding_secrets_leaves_no_core_dump() {
 /// said so and left out; curl, Python and git are in every image the tests use.
 #[test]
 fn common_clients_trust_the_egress_ca_without_flags() {
-    if !is_root() {
-        skip("this test runs real sandboxes and needs root (CI runs as root)");
-        return;
-    }
+    require_root!();
     let (r, tag) = injecting(
         Tier::Ns,
         r#"curl -sS --fail -o /dev/null "https://api.test/echo?t=$T-curl" && echo ok curl

@@ -57,7 +57,7 @@ impl Backend for GvisorBackend {
             tun: spec.network.is_enabled(),
             restore: spec.restore.clone(),
             volumes: spec.volumes.clone(),
-            egress_ca: spec.egress_ca.clone().filter(|_| spec.network.is_enabled()),
+            egress_ca: spec.trusted_egress_ca().map(str::to_string),
         };
         let mut sandbox = self.gv.create(&cfg).map_err(|e| Error::failed("gvisor tier", e))?;
         let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];

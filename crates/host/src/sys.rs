@@ -206,9 +206,3 @@ pub fn forbid_core_dumps() -> io::Result<()> {
     let r = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong) };
     check(r as libc::c_long, "prctl(PR_SET_DUMPABLE, 0)").map(drop)
 }
-
-/// Whether this process may be dumped (see [`forbid_core_dumps`]).
-pub fn is_dumpable() -> bool {
-    // SAFETY: PR_GET_DUMPABLE takes no arguments and touches no memory of ours.
-    unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong, 0 as libc::c_ulong) == 1 }
-}

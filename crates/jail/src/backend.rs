@@ -94,7 +94,7 @@ impl JailBackend {
             writable,
             keep_writable: spec.keep_writable,
             volumes: spec.volumes.clone(),
-            egress_ca: spec.egress_ca.clone().filter(|_| spec.network.is_enabled()),
+            egress_ca: spec.trusted_egress_ca().map(str::to_string),
         };
         let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
         let uid_base = sandbox.uid_base();

@@ -43,7 +43,8 @@ pub struct EgressCa {
     issuer: rcgen::Certificate,
     issuer_key: KeyPair,
     leaf_key: KeyPair,
-    leaf_key_der: Vec<u8>,
+    /// `leaf_key` as rustls signs with it, shared by every leaf.
+    leaf_signer: Arc<dyn rustls::sign::SigningKey>,
     leaves: Mutex<HashMap<String, (Instant, Arc<CertifiedKey>)>>,
 }
 
@@ -75,17 +76,14 @@ impl EgressCa {
         // which is what a leaf's chain is checked against.
         let issuer = params.self_signed(&issuer_key).map_err(|e| corrupt(format!("certificate: {e}")))?;
         let leaf_key = KeyPair::generate().map_err(|e| corrupt(format!("leaf key: {e}")))?;
-        let leaf_key_der = leaf_key.serialize_der();
-        Ok(EgressCa { dir, cert_pem, issuer, issuer_key, leaf_key, leaf_key_der, leaves: Mutex::new(HashMap::new()) })
+        let der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
+        let leaf_signer = rustls::crypto::ring::sign::any_supported_type(&der).map_err(|e| corrupt(format!("leaf key: {e}")))?;
+        Ok(EgressCa { dir, cert_pem, issuer, issuer_key, leaf_key, leaf_signer, leaves: Mutex::new(HashMap::new()) })
     }
 
     /// The CA certificate, PEM: what sandboxes add to their trust.
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 
     /// A certificate for `name` signed by this CA, with its key, ready for a TLS server.
@@ -108,9 +106,7 @@ impl EgressCa {
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let cert = params.signed_by(&self.leaf_key, &self.issuer, &self.issuer_key).map_err(|e| bad(e.to_string()))?;
-        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.leaf_key_der.clone()));
-        let signing = rustls::crypto::ring::sign::any_supported_type(&key).map_err(|e| bad(e.to_string()))?;
-        let ck = Arc::new(CertifiedKey::new(vec![CertificateDer::from(cert.der().to_vec())], signing));
+        let ck = Arc::new(CertifiedKey::new(vec![CertificateDer::from(cert.der().to_vec())], self.leaf_signer.clone()));
         if cache.len() >= MAX_CACHED {
             cache.clear();
         }

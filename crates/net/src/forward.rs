@@ -283,28 +283,34 @@ async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
             return;
         }
     }
-    let mut upstream = None;
-    for t in &targets {
-        match tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(t)).await {
-            Ok(Ok(c)) => {
-                upstream = Some(c);
-                break;
-            }
-            Ok(Err(e)) => tracing::debug!(%t, "dial failed: {e}"),
-            Err(_) => tracing::debug!(%t, "dial timed out"),
-        }
-    }
     // As the destination itself would answer a refused or unreachable connect.
-    let Some(mut up) = upstream else {
+    let Ok(mut up) = dial(&targets).await else {
         s.reset();
         return;
     };
     tracing::debug!(%dst, ?name, to = ?up.peer_addr().ok(), "egress connection");
-    let _ = up.set_nodelay(true);
     if !first.is_empty() && up.write_all(&first).await.is_err() {
         return;
     }
     splice(s, up).await;
+}
+
+/// Connects to the first of `targets` that answers (each within [`DIAL_TIMEOUT`]), with
+/// Nagle off; otherwise says what the last one did.
+pub(crate) async fn dial(targets: &[SocketAddr]) -> Result<TcpStream, String> {
+    let mut last = String::from("no address to dial");
+    for t in targets {
+        match tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(t)).await {
+            Ok(Ok(c)) => {
+                let _ = c.set_nodelay(true);
+                return Ok(c);
+            }
+            Ok(Err(e)) => last = format!("{t}: {e}"),
+            Err(_) => last = format!("{t}: timed out"),
+        }
+        tracing::debug!(%t, "dial failed: {last}");
+    }
+    Err(last)
 }
 
 /// Copies both ways until both sides have finished, passing each side's end of stream on.
@@ -335,21 +341,32 @@ async fn splice(s: IpStackTcpStream, up: TcpStream) {
 /// retry held the end of every response back by 10 ms whenever the first poll came before the
 /// acknowledgement (the bench's per-connection latency: +11.7 ms at p50).
 async fn close_toward<W: tokio::io::AsyncWrite + Unpin>(sw: &mut W) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + SHUTDOWN_DEADLINE;
     for attempt in 0u32.. {
         // One poll, whatever it returns: this loop decides when to poll again.
         let done = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *sw).poll_shutdown(cx).is_ready())).await;
         if done || tokio::time::Instant::now() >= deadline {
             return;
         }
-        match attempt {
-            0..SHUTDOWN_YIELDS => tokio::task::yield_now().await,
-            SHUTDOWN_YIELDS..SHUTDOWN_FAST => tokio::time::sleep(Duration::from_millis(1)).await,
-            _ => tokio::time::sleep(Duration::from_millis(10)).await,
+        match shutdown_retry(attempt) {
+            None => tokio::task::yield_now().await,
+            Some(d) => tokio::time::sleep(d).await,
         }
     }
 }
 
+/// How long to wait before polling a shutdown toward the sandbox again after its `attempt`-th
+/// unfinished poll (`None`: only yield); see [`close_toward`].
+pub(crate) fn shutdown_retry(attempt: u32) -> Option<Duration> {
+    match attempt {
+        0..SHUTDOWN_YIELDS => None,
+        SHUTDOWN_YIELDS..SHUTDOWN_FAST => Some(Duration::from_millis(1)),
+        _ => Some(Duration::from_millis(10)),
+    }
+}
+
+/// How long a shutdown toward the sandbox is retried at most.
+pub(crate) const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(10);
 /// Retries of the shutdown that only yield to the runtime, then up to this many that wait 1 ms.
 const SHUTDOWN_YIELDS: u32 = 32;
 const SHUTDOWN_FAST: u32 = SHUTDOWN_YIELDS + 20;

@@ -35,7 +35,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::ServerName;
 
@@ -51,6 +50,8 @@ pub struct Interception {
     ca: Arc<EgressCa>,
     upstream: Arc<rustls::ClientConfig>,
     secrets: Arc<dyn SecretSource>,
+    /// The TLS implementation both sides use, made once (not per connection).
+    provider: Arc<rustls::crypto::CryptoProvider>,
 }
 
 impl std::fmt::Debug for Interception {
@@ -63,7 +64,6 @@ const ALPN_H2: &[u8] = b"h2";
 const ALPN_H1: &[u8] = b"http/1.1";
 /// Streams at once on one HTTP/2 connection from a sandbox.
 const MAX_H2_STREAMS: u32 = 64;
-const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the TLS handshakes may take, each way.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -96,13 +96,13 @@ impl Interception {
             }
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(|e| NetError::UpstreamCa { path: "TLS".into(), reason: e.to_string() })?
             .with_root_certificates(roots)
             .with_no_client_auth();
         cfg.alpn_protocols = vec![ALPN_H2.to_vec(), ALPN_H1.to_vec()];
-        Ok(Interception { ca, upstream: Arc::new(cfg), secrets })
+        Ok(Interception { ca, upstream: Arc::new(cfg), secrets, provider })
     }
 
     pub fn ca(&self) -> &Arc<EgressCa> {
@@ -111,8 +111,7 @@ impl Interception {
 
     fn server_config(&self, name: &str) -> Result<Arc<rustls::ServerConfig>, String> {
         let leaf = self.ca.leaf(name).map_err(|e| e.to_string())?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+        let mut cfg = rustls::ServerConfig::builder_with_provider(self.provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(|e| e.to_string())?
             .with_no_client_auth()
@@ -172,20 +171,7 @@ impl Flow {
     /// Dials the host at one of the forwarder's addresses and, for TLS, completes a verified
     /// handshake with it.
     async fn dial(&self) -> Result<Sender, String> {
-        let mut last = String::from("no address");
-        let mut tcp = None;
-        for t in &self.targets {
-            match tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(t)).await {
-                Ok(Ok(c)) => {
-                    tcp = Some(c);
-                    break;
-                }
-                Ok(Err(e)) => last = format!("{t}: {e}"),
-                Err(_) => last = format!("{t}: timed out"),
-            }
-        }
-        let tcp = tcp.ok_or_else(|| format!("cannot reach {} ({last})", self.name))?;
-        let _ = tcp.set_nodelay(true);
+        let tcp = crate::forward::dial(&self.targets).await.map_err(|last| format!("cannot reach {} ({last})", self.name))?;
         let (io, h2): (Box<dyn Io>, bool) = if self.tls {
             let server = ServerName::try_from(self.name.clone()).map_err(|e| format!("{}: {e}", self.name))?;
             let connector = tokio_rustls::TlsConnector::from(self.icpt.upstream.clone());
@@ -404,8 +390,14 @@ struct SandboxSide {
     head: Vec<u8>,
     at: usize,
     inner: IpStackTcpStream,
-    /// Re-polls of a shutdown ipstack does not wake (see `forward::close_toward`).
-    closing: Option<(Pin<Box<tokio::time::Sleep>>, tokio::time::Instant)>,
+    /// Re-polls of a shutdown ipstack does not wake, on `forward::close_toward`'s schedule.
+    closing: Option<Closing>,
+}
+
+struct Closing {
+    attempt: u32,
+    deadline: tokio::time::Instant,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl SandboxSide {
@@ -445,16 +437,21 @@ impl AsyncWrite for SandboxSide {
             return Poll::Ready(r);
         }
         // ipstack sends the FIN once everything written is acknowledged but wakes nobody when
-        // that happens: poll again every millisecond, for at most 10 s.
+        // that happens: ask to be polled again, as `forward::close_toward` does.
         let now = tokio::time::Instant::now();
-        let (sleep, deadline) = self.closing.get_or_insert_with(|| (Box::pin(tokio::time::sleep(Duration::from_millis(1))), now + Duration::from_secs(10)));
-        if now >= *deadline {
+        let c = self.closing.get_or_insert_with(|| Closing { attempt: 0, deadline: now + crate::forward::SHUTDOWN_DEADLINE, timer: None });
+        if now >= c.deadline {
             return Poll::Ready(Ok(()));
         }
-        if sleep.as_mut().poll(cx).is_ready() {
-            sleep.as_mut().reset(now + Duration::from_millis(1));
-            let _ = sleep.as_mut().poll(cx);
+        match crate::forward::shutdown_retry(c.attempt) {
+            None => cx.waker().wake_by_ref(),
+            Some(d) => {
+                let timer = c.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(d)));
+                timer.as_mut().reset(now + d);
+                let _ = timer.as_mut().poll(cx);
+            }
         }
+        c.attempt += 1;
         Poll::Pending
     }
 }

@@ -19,7 +19,7 @@ pub fn config(spec: &SandboxSpec, image: &cordon_image::Image, envd_version: Opt
     let mut env = image.meta.env.clone();
     // A sandbox that trusts the egress CA says so to the clients that keep their own stores;
     // over the image's values, under the sandbox's own.
-    if spec.egress_ca.is_some() && spec.network.is_enabled() {
+    if spec.trusted_egress_ca().is_some() {
         for (k, v) in cordon_host::trust::env() {
             env.retain(|(ek, _)| ek != k);
             env.push((k.to_string(), v.to_string()));

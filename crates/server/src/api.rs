@@ -56,14 +56,7 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         let rest = rest.to_string();
         return crate::volume_content::handle(volumes(app)?, &method, &rest, req).await;
     }
-    let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()).unwrap_or("");
-    if !auth::ct_eq(key, &app.api_key) {
-        return Err(ApiError::unauthorized(if key.is_empty() {
-            "missing API key: send it in the X-API-KEY header"
-        } else {
-            "invalid API key"
-        }));
-    }
+    auth::check_api_key(req.headers(), &app.api_key)?;
     let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let segs = match segs.as_slice() {
         ["v2", rest @ ..] => (true, rest.to_vec()),
@@ -106,6 +99,7 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
             update_network(app, &id, req).await
         }
         (_, false, ["volumes", ..]) => volumes(app)?.handle(&method, &segs.1, req).await,
+        (_, false, ["secrets", ..]) => crate::secrets::handle(secrets(app)?, &method, &segs.1, req).await,
         (&Method::GET, false, ["templates", "aliases", alias]) => template_alias(app, alias),
         (&Method::POST, false, ["v3", "templates"]) => templates(app)?.request(req).await,
         (&Method::GET, false, ["templates", id, "files", hash]) => {
@@ -133,6 +127,10 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         ),
         _ => Err(ApiError::not_found(format!("no API endpoint {method} {path}"))),
     }
+}
+
+fn secrets(app: &App) -> Result<&Arc<cordon_secret::SecretStore>, ApiError> {
+    app.secrets.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "this server keeps no secrets").no_retry())
 }
 
 fn volumes(app: &App) -> Result<&Arc<crate::volumes::VolumeApi>, ApiError> {

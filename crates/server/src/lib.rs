@@ -112,7 +112,6 @@ impl App {
                 Ok(None) => api::handle(&self, req).await,
                 Err(e) => e.into_response(),
             },
-            routes::Route::Api if secrets::owns(req.uri().path()) => secrets::serve(&self, req).await,
             routes::Route::Api => api::handle(&self, req).await,
             routes::Route::Sandbox { id, port } => proxy::handle(&self, &id, port, req).await,
             routes::Route::ByToken(token) => match self.sandboxes.by_token(&token) {

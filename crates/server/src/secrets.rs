@@ -33,25 +33,6 @@ impl cordon_sandbox::SecretSource for Source {
     }
 }
 
-/// Whether `path` is the secrets API's.
-pub fn owns(path: &str) -> bool {
-    let p = path.trim_end_matches('/');
-    p == "/secrets" || p.starts_with("/secrets/")
-}
-
-/// Answers a request for the secrets API: the API key, then [`handle`].
-pub async fn serve(app: &crate::App, req: Request<Incoming>) -> Response<Body> {
-    let answer = async {
-        crate::auth::check_api_key(req.headers(), &app.api_key)?;
-        let store = app.secrets.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "this server keeps no secrets").no_retry())?;
-        let path = req.uri().path().trim_end_matches('/').to_string();
-        let method = req.method().clone();
-        let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-        handle(store, &method, &segs, req).await
-    };
-    answer.await.unwrap_or_else(ApiError::into_response)
-}
-
 /// Routes `/secrets...` (the API key is already checked).
 pub async fn handle(store: &Arc<SecretStore>, method: &Method, segs: &[&str], req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     match (method, segs) {

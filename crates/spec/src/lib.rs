@@ -202,6 +202,12 @@ impl Default for SandboxSpec {
 }
 
 impl SandboxSpec {
+    /// The egress CA the sandbox's files and environment trust: only where it has a network
+    /// (a sandbox without one has nothing to be intercepted).
+    pub fn trusted_egress_ca(&self) -> Option<&str> {
+        self.egress_ca.as_deref().filter(|_| self.network.is_enabled())
+    }
+
     /// Checks every field; the first problem found is returned.
     pub fn validate(&self) -> Result<(), SpecError> {
         validate_image_name(&self.image)?;

@@ -191,6 +191,12 @@ pub fn parse(out: Output) -> Run {
 
 /// `cordon run --json <flags> -- <cmd>`; the JSON record is split off stdout.
 pub fn run(flags: &[&str], cmd: &[&str]) -> Run {
+    run_with_env(flags, cmd, &[])
+}
+
+/// [`run`] with variables added to cordon's own environment (not the sandbox's: cordon passes
+/// none of its own on), as `--secret NAME` reads them.
+pub fn run_with_env(flags: &[&str], cmd: &[&str], env: &[(&str, &str)]) -> Run {
     ensure_base();
     let out = cordon()
         .arg("run")
@@ -198,6 +204,7 @@ pub fn run(flags: &[&str], cmd: &[&str]) -> Run {
         .args(flags)
         .arg("--")
         .args(cmd)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .output()
         .expect("run cordon");
