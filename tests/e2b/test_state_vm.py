@@ -18,8 +18,8 @@ import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import SandboxNotFoundException
 
-from conftest import API_KEY, API_URL, BASE_URL, needs_qemu
-from test_state import STATE_DIR, Server, _kill_mid, hold_64mib, host_memory_bytes, saved_state, wait_http
+from conftest import API_KEY, API_URL, BASE_URL, Serve, needs_qemu
+from test_state import STATE_DIR, _kill_mid, hold_64mib, host_memory_bytes, saved_state, wait_http
 
 pytestmark = needs_qemu
 
@@ -229,7 +229,7 @@ def test_vm_snapshot_keeps_the_running_guest():
 
 
 def test_a_vm_paused_with_memory_survives_a_restart_and_a_kill_mid_pause():
-    srv = Server()
+    srv = Serve()
     srv.start()
     try:
         sid = create_vm(api=srv.url)

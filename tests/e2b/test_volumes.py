@@ -15,7 +15,7 @@ import httpx
 import pytest
 from e2b import Sandbox, Volume, VolumePathNotFoundException
 
-from conftest import API_KEY, API_URL, needs_runsc
+from conftest import API_KEY, API_URL, Serve, needs_runsc
 
 HEADERS = {"X-API-KEY": API_KEY}
 STATE = "/var/lib/cordon"
@@ -329,9 +329,7 @@ def test_a_gvisor_pause_to_disk_restores_its_volume(volume):
 
 
 def test_a_paused_sandbox_holds_its_volume_across_a_server_restart():
-    from test_state import Server
-
-    srv = Server()
+    srv = Serve()
     srv.start()
     name = f"t-restart-{uuid.uuid4().hex[:8]}"
     vid = srv.api("POST", "/volumes", json={"name": name}).json()["volumeID"]
