@@ -32,6 +32,25 @@ per_tier!(
     ipv6_goes_through_the_same_forwarder,
 );
 
+// The vm tier's guest kernel reaches the same forwarder through a virtio-net device whose
+// frames the host reads from a socket pair: every tier-independent case holds there too.
+on_vm!(
+    no_policy_means_no_interface_and_not_one_packet_out,
+    allowed_domain_over_http_with_curl,
+    allowed_domain_over_https_with_curl,
+    allowed_domain_with_python_urllib_http_and_https,
+    unlisted_domain_fails_and_is_audited,
+    query_straight_to_another_resolver_fails,
+    raw_ip_connect_to_an_unlisted_address_fails,
+    udp_and_icmp_fail_even_with_everything_allowed,
+    denied_connections_fail_at_once_with_a_reset_or_an_unreachable,
+    allowed_names_resolving_to_loopback_private_or_metadata_are_refused,
+    sni_naming_an_allowed_host_while_dialling_another_ip_reaches_only_the_allowed_host,
+    services_on_the_hosts_loopback_are_unreachable_with_any_policy,
+    services_on_the_hosts_own_addresses_are_unreachable_with_any_policy,
+    ipv6_goes_through_the_same_forwarder,
+);
+
 /// `cordon run` with the test internet's DNS as upstream, the given rules, and a bash script.
 fn net(allow: &[&str], deny: &[&str], script: &str) -> Run {
     net_on(Tier::Ns, allow, deny, script)
@@ -594,7 +613,7 @@ mod runtime_update {
         let tun = namespace_with_tun(&ns);
         let policy = |a: &[&str]| cordon_spec::NetworkPolicy::parse(a, &[] as &[&str]).unwrap();
         let unbounded = cordon_net::CpuCharge { cpus: 64.0, group: None };
-        let egress = cordon_net::Egress::start(tun, policy(&["allowed.test"]), config(unbounded)).unwrap();
+        let egress = cordon_net::Egress::start(cordon_net::Link::Tun(tun), policy(&["allowed.test"]), config(unbounded)).unwrap();
         let first = (curl_in(&ns, "http://allowed.test/"), curl_in(&ns, "http://a.wild.test/"));
         egress.update_policy(policy(&["*.wild.test"])).unwrap();
         let second = (curl_in(&ns, "http://allowed.test/"), curl_in(&ns, "http://a.wild.test/"));
@@ -618,7 +637,7 @@ mod runtime_update {
         let tun = namespace_with_tun(&ns);
         let deny = vec![format!("{OTHER_V4}/32")];
         let open = NetworkDefault::Open.policy(&[], &deny, None).unwrap();
-        let egress = cordon_net::Egress::start(tun, open, config(cordon_net::CpuCharge { cpus: 64.0, group: None })).unwrap();
+        let egress = cordon_net::Egress::start(cordon_net::Link::Tun(tun), open, config(cordon_net::CpuCharge { cpus: 64.0, group: None })).unwrap();
         let unlisted = curl_in(&ns, "http://allowed.test/");
         let denied = curl_in(&ns, &format!("http://{OTHER_V4}/"));
         egress.update_policy(NetworkDefault::Open.policy(&[], &[], Some(false)).unwrap()).unwrap();
@@ -672,7 +691,7 @@ print(sum(sent))
         let tun = namespace_with_tun(&ns);
         let cpus = 0.1;
         let policy = cordon_spec::NetworkPolicy::parse(&[format!("{OTHER_V4}:9003")], &[] as &[&str]).unwrap();
-        let egress = cordon_net::Egress::start(tun, policy, config(cordon_net::CpuCharge { cpus, group: None })).unwrap();
+        let egress = cordon_net::Egress::start(cordon_net::Link::Tun(tun), policy, config(cordon_net::CpuCharge { cpus, group: None })).unwrap();
         assert!(!egress.charged_to_group());
         let (c0, t0) = (thread_cpu(egress.thread_id()), std::time::Instant::now());
         let out = Command::new("ip").args(["netns", "exec", &ns, "python3", "-c", PUSH, "4"]).output().unwrap();

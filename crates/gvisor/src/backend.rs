@@ -61,7 +61,7 @@ impl Backend for GvisorBackend {
         };
         let mut sandbox = self.gv.create(&cfg).map_err(|e| Error::failed("gvisor tier", e))?;
         let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
-        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, cordon_host::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;
+        let egress = Egress::start(sandbox.take_tun().map(cordon_sandbox::egress::Link::Tun), &spec.network, gateways, cordon_host::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;
         Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }))
     }
 }

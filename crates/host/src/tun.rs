@@ -122,8 +122,34 @@ pub fn create() -> io::Result<OwnedFd> {
     let mut req = ifreq();
     req.ifr_ifru.ifru_flags = (libc::IFF_TUN | libc::IFF_NO_PI) as libc::c_short;
     ioctl(&tun, libc::TUNSETIFF, &mut req, "TUNSETIFF eth0")?;
+    address(None)?;
+    Ok(tun)
+}
 
+/// Sets the MAC of the Ethernet interface `eth0` (a VM's; up or not).
+pub fn set_mac(mac: [u8; 6]) -> io::Result<()> {
     let s4 = socket(libc::AF_INET)?;
+    let mut req = ifreq();
+    // SAFETY: an all-zero sockaddr is valid; the family and the first six data bytes are set.
+    let mut hw: libc::sockaddr = unsafe { std::mem::zeroed() };
+    hw.sa_family = libc::ARPHRD_ETHER;
+    for (d, b) in hw.sa_data.iter_mut().zip(mac) {
+        *d = b as libc::c_char;
+    }
+    req.ifr_ifru.ifru_hwaddr = hw;
+    ioctl(&s4, libc::SIOCSIFHWADDR, &mut req, "SIOCSIFHWADDR eth0")
+}
+
+/// Gives `eth0` the sandbox's addresses, MTU and default routes through the gateway, as every
+/// tier has them: a TUN device made by [`create`], or a VM's virtio-net interface, which is
+/// given `mac` first. An Ethernet interface skips IPv6 duplicate detection, as a TUN does: the
+/// link has one other end, the forwarder, and the address is usable at once.
+pub fn address(mac: Option<[u8; 6]>) -> io::Result<()> {
+    let s4 = socket(libc::AF_INET)?;
+    if let Some(mac) = mac {
+        set_mac(mac)?;
+        let _ = std::fs::write("/proc/sys/net/ipv6/conf/eth0/accept_dad", "0");
+    }
     let mut req = ifreq();
     req.ifr_ifru.ifru_mtu = MTU as libc::c_int;
     ioctl(&s4, libc::SIOCSIFMTU, &mut req, "SIOCSIFMTU eth0")?;
@@ -154,12 +180,12 @@ pub fn create() -> io::Result<OwnedFd> {
     ioctl(&s4, libc::SIOCADDRT, &mut rt, "SIOCADDRT default via 10.0.2.1")?;
 
     // IPv6: TUN devices are NOARP, so the address skips duplicate detection and is usable at
-    // once. A host with IPv6 disabled gets an IPv4-only sandbox rather than a failed one.
+    // once (an Ethernet one had it turned off above). A host with IPv6 disabled gets an IPv4-only sandbox rather than a failed one.
     let s6 = match socket(libc::AF_INET6) {
         Ok(s) => s,
         Err(e) => {
             tracing::debug!("no IPv6 in the sandbox: {e}");
-            return Ok(tun);
+            return Ok(());
         }
     };
     let mut a6 = libc::in6_ifreq {
@@ -169,7 +195,7 @@ pub fn create() -> io::Result<OwnedFd> {
     };
     if let Err(e) = ioctl(&s6, libc::SIOCSIFADDR, &mut a6, "SIOCSIFADDR eth0 v6") {
         tracing::debug!("no IPv6 in the sandbox: {e}");
-        return Ok(tun);
+        return Ok(());
     }
     let mut r6 = In6RtMsg {
         dst: libc::in6_addr { s6_addr: [0; 16] },
@@ -186,5 +212,5 @@ pub fn create() -> io::Result<OwnedFd> {
     ioctl(&s6, libc::SIOCADDRT, &mut r6, "SIOCADDRT default via fd00:c0:d0::1")?;
     // No router solicitations or other chatter of the kernel's own on the wire.
     let _ = std::fs::write("/proc/sys/net/ipv6/conf/eth0/router_solicitations", "0");
-    Ok(tun)
+    Ok(())
 }

@@ -99,7 +99,7 @@ impl JailBackend {
         let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
         let uid_base = sandbox.uid_base();
         let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
-        let egress = Egress::start(sandbox.take_tun(), &spec.network, gateways, crate::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;
+        let egress = Egress::start(sandbox.take_tun().map(cordon_sandbox::egress::Link::Tun), &spec.network, gateways, crate::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;
         Ok((Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }), uid_base))
     }
 }

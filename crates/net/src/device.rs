@@ -17,17 +17,22 @@ pub struct TunDevice {
 impl TunDevice {
     /// Takes the descriptor and makes it non-blocking; needs a tokio runtime with I/O enabled.
     pub fn new(fd: OwnedFd) -> io::Result<TunDevice> {
-        // SAFETY: fcntl on a descriptor we own.
-        let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-        // SAFETY: as above, adding O_NONBLOCK to the flags just read.
-        if flags < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        set_nonblocking(&fd)?;
         // SAFETY: the AsyncFd owns `fd` outright, so it stays open and the same file for the
         // AsyncFd's whole life.
         let fd = unsafe { AsyncFd::register(fd) }.map_err(|e| e.into_parts().1)?;
         Ok(TunDevice { fd })
     }
+}
+
+pub(crate) fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: as above, adding O_NONBLOCK to the flags just read.
+    if flags < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 impl AsyncRead for TunDevice {

@@ -1,7 +1,6 @@
 //! The per-flow decisions: what each TCP connection, UDP datagram and other packet the sandbox
 //! sends gets.
 
-use crate::device::TunDevice;
 use crate::guard;
 use crate::sniff::{sniff, Sniffed, MAX_PEEK};
 use crate::Shared;
@@ -37,7 +36,10 @@ pub(crate) const MAX_DNS_INFLIGHT: usize = 32;
 /// The largest DNS question over UDP read whole (EDNS's usual buffer size).
 const DNS_UDP_MAX: usize = 4096;
 
-pub(crate) async fn serve(device: TunDevice, mtu: u16, shared: Arc<Shared>) {
+pub(crate) async fn serve<D>(device: D, mtu: u16, shared: Arc<Shared>)
+where
+    D: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let mut cfg = IpStackConfig::default();
     if cfg.mtu(mtu).is_err() {
         cfg.mtu_unchecked(mtu);

@@ -1,7 +1,8 @@
 //! Egress for sandboxes with a network policy.
 //!
 //! The sandbox's only non-loopback interface is a TUN device whose descriptor the host holds
-//! (created by the jailer; see `cordon_jail::tun`). [`Egress`] terminates that device in a
+//! (created by the jailer; see `cordon_host::tun`), or for a VM a virtio-net interface whose
+//! frames reach the host on a socket pair ([`ethernet`]). [`Egress`] terminates that link in a
 //! user-space TCP/IP stack (`ipstack`) inside the host process, so every flow is seen before
 //! anything is dialled and the host's routing never carries a sandbox packet. Then:
 //! - DNS to the gateway (UDP and TCP) is answered here, for allowed names only ([`dns`]);
@@ -31,6 +32,7 @@ pub mod ca;
 pub mod cpu;
 mod device;
 pub mod dns;
+pub mod ethernet;
 mod forward;
 pub mod guard;
 pub mod intercept;
@@ -96,7 +98,7 @@ pub fn parse_upstream(s: &str) -> Result<SocketAddr, NetError> {
 
 pub(crate) struct Shared {
     policy: RwLock<Arc<NetworkPolicy>>,
-    pub(crate) audit: AuditLog,
+    pub(crate) audit: Arc<AuditLog>,
     pub(crate) dns: dns::Dns,
     gateways: Vec<IpAddr>,
     /// The per-sandbox budgets of the forwarder (see `forward`): open TCP connections, UDP DNS
@@ -117,6 +119,16 @@ impl Shared {
     }
 }
 
+/// The host end of a sandbox's one network link.
+#[derive(Debug)]
+pub enum Link {
+    /// A TUN device's descriptor: IP packets.
+    Tun(OwnedFd),
+    /// One end of a Unix datagram socket pair whose other end is a VMM's virtio-net backend:
+    /// Ethernet frames ([`ethernet`]).
+    Ethernet(OwnedFd),
+}
+
 /// A running forwarder for one sandbox. Dropping it stops it (the sandbox loses its network).
 pub struct Egress {
     shared: Arc<Shared>,
@@ -129,14 +141,14 @@ pub struct Egress {
 }
 
 impl Egress {
-    /// Starts serving `tun` on a thread of its own, charged as `cfg.cpu` says.
-    pub fn start(tun: OwnedFd, policy: NetworkPolicy, cfg: EgressConfig) -> Result<Egress, NetError> {
+    /// Starts serving `link` on a thread of its own, charged as `cfg.cpu` says.
+    pub fn start(link: Link, policy: NetworkPolicy, cfg: EgressConfig) -> Result<Egress, NetError> {
         if !policy.transforms.is_empty() && cfg.intercept.is_none() {
             return Err(NetError::NoInterception);
         }
         let shared = Arc::new(Shared {
             policy: RwLock::new(Arc::new(policy)),
-            audit: AuditLog::default(),
+            audit: Arc::default(),
             dns: dns::Dns::new(cfg.dns_upstream)?,
             gateways: cfg.gateways,
             tcp_flows: Arc::new(tokio::sync::Semaphore::new(forward::MAX_TCP_FLOWS)),
@@ -163,7 +175,14 @@ impl Egress {
                     .build()
                     .map_err(NetError::Thread)
                     .and_then(|rt| {
-                        let device = rt.block_on(async { device::TunDevice::new(tun) }).map_err(NetError::Device)?;
+                        let device = rt
+                            .block_on(async {
+                                Ok::<_, std::io::Error>(match link {
+                                    Link::Tun(fd) => Device::Tun(device::TunDevice::new(fd)?),
+                                    Link::Ethernet(fd) => Device::Ethernet(ethernet::EthernetDevice::new(fd, s.audit.clone())?),
+                                })
+                            })
+                            .map_err(NetError::Device)?;
                         Ok((rt, device))
                     });
                 let (rt, device) = match started {
@@ -179,8 +198,14 @@ impl Egress {
                     if let Some(cpus) = budget {
                         tokio::spawn(cpu::enforce(cpus));
                     }
+                    let served = async {
+                        match device {
+                            Device::Tun(d) => forward::serve(d, mtu, s).await,
+                            Device::Ethernet(d) => forward::serve(d, mtu, s).await,
+                        }
+                    };
                     tokio::select! {
-                        () = forward::serve(device, mtu, s) => {}
+                        () = served => {}
                         _ = stopped => {}
                     }
                 });
@@ -234,6 +259,11 @@ impl Egress {
     pub fn charged_to_group(&self) -> bool {
         self.charged
     }
+}
+
+enum Device {
+    Tun(device::TunDevice),
+    Ethernet(ethernet::EthernetDevice),
 }
 
 impl Drop for Egress {

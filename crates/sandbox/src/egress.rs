@@ -1,7 +1,7 @@
-//! The egress forwarder of a sandbox with a TUN device, shared by the tiers that have one.
+//! The egress forwarder of a sandbox with a network link, shared by every tier.
 
 use std::net::IpAddr;
-use std::os::fd::OwnedFd;
+pub use cordon_net::{ethernet::GATEWAY_MAC, Link};
 
 use cordon_host::Cgroup;
 use cordon_spec::{Limits, NetworkPolicy};
@@ -27,13 +27,14 @@ impl Upstream {
 pub struct Egress(Option<cordon_net::Egress>);
 
 impl Egress {
-    /// Serves a new sandbox's TUN device (if it has one) on a forwarder thread of its own,
+    /// Serves a new sandbox's link (its TUN device or its VM's frames, if it has one) on a
+    /// forwarder thread of its own,
     /// whose CPU counts against `limits.cpus`: in the sandbox's `cgroup` where that can take a
     /// host thread (v1), on a budget of its own otherwise. `gateways` are the sandbox's
     /// gateway addresses, where DNS is answered; `upstream` where names resolve and how
     /// injection rules are served.
     pub fn start(
-        tun: Option<OwnedFd>,
+        link: Option<Link>,
         policy: &NetworkPolicy,
         gateways: Vec<IpAddr>,
         mtu: u16,
@@ -41,10 +42,10 @@ impl Egress {
         cgroup: &Cgroup,
         limits: &Limits,
     ) -> Result<Egress, Error> {
-        let Some(tun) = tun else { return Ok(Egress(None)) };
+        let Some(link) = link else { return Ok(Egress(None)) };
         let cpu = cordon_net::CpuCharge { cpus: limits.cpus, group: cgroup.thread_charge() };
         let cfg = cordon_net::EgressConfig { gateways, dns_upstream: upstream.dns, mtu, cpu, intercept: upstream.intercept.clone() };
-        cordon_net::Egress::start(tun, policy.clone(), cfg)
+        cordon_net::Egress::start(link, policy.clone(), cfg)
             .map(|e| Egress(Some(e)))
             .map_err(|e| Error::failed("start the sandbox's egress forwarder", e))
     }

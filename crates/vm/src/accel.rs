@@ -71,6 +71,7 @@ pub fn probe_spec(kit: &Kit, accel: Accel) -> BootSpec {
         channel_fd: None,
         incoming_fd: None,
         monitor_fd: None,
+        net_fd: None,
         shares: Vec::new(),
     }
 }

@@ -5,14 +5,16 @@ use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::Arc;
 
-use cordon_sandbox::{Backend, Capabilities, Error, Host, SandboxSpec};
+use cordon_sandbox::egress::{Egress, Link, Upstream};
+use cordon_sandbox::{Backend, Blocked, Capabilities, Error, Host, SandboxSpec};
 use cordon_spec::Tier;
 
 use crate::{VmError, VmTier};
 
-/// What vm sandboxes support: no egress forwarder yet, no host syscall audit (the guest kernel
+/// What vm sandboxes support: egress through the host's forwarder (the guest's frames reach it
+/// on a socket pair, see `cordon_net::ethernet`), no host syscall audit (the guest kernel
 /// answers), and the OOM count is the guest's (a round trip through the agent).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: false, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, checkpoint_keeps_running: true, keep_disk: true, volumes: true };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, checkpoint_keeps_running: true, keep_disk: true, volumes: true };
 
 /// The tier table's row for vm.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -21,7 +23,7 @@ pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Ti
 pub fn open(host: &Host) -> Result<Arc<dyn Backend>, Error> {
     let store = cordon_image::Store::open(&host.state_dir).map_err(|e| Error::failed("open the image store", e))?;
     let tier = VmTier::open(&host.state_dir, host.exe.clone()).map_err(|e| Error::Unavailable(e.to_string()))?;
-    Ok(Arc::new(VmBackend { tier, store, envd_version: host.envd_version.clone() }))
+    Ok(Arc::new(VmBackend { tier, store, envd_version: host.envd_version.clone(), upstream: Upstream::of(host) }))
 }
 
 /// The `vm` tier: images from the store, each sandbox a microVM with its own kernel.
@@ -29,6 +31,7 @@ pub struct VmBackend {
     tier: VmTier,
     store: cordon_image::Store,
     envd_version: Option<String>,
+    upstream: Upstream,
 }
 
 fn vm_err(what: &'static str) -> impl Fn(VmError) -> Error {
@@ -41,6 +44,7 @@ fn vm_err(what: &'static str) -> impl Fn(VmError) -> Error {
 
 struct VmSandbox {
     vm: crate::Vm,
+    egress: Egress,
     start: Option<cordon_image::StartCommand>,
     /// It has volumes.
     volumes: bool,
@@ -77,6 +81,18 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.vm.peak_memory()
     }
 
+    fn blocked(&self) -> Vec<Blocked> {
+        self.egress.blocked()
+    }
+
+    fn injected(&self) -> Vec<cordon_sandbox::Injected> {
+        self.egress.injected()
+    }
+
+    fn set_network(&self, policy: cordon_spec::NetworkPolicy) -> Result<(), Error> {
+        self.egress.set_network(policy)
+    }
+
     fn start_command(&self) -> Option<&cordon_image::StartCommand> {
         self.start.as_ref()
     }
@@ -100,6 +116,8 @@ impl cordon_sandbox::Sandbox for VmSandbox {
     }
 
     fn destroy(&mut self) -> Result<(), Error> {
+        // Nothing more is dialled for it, then the VM goes.
+        self.egress.stop();
         self.vm.destroy().map_err(|e| Error::failed("teardown", e))
     }
 }
@@ -129,17 +147,40 @@ impl Backend for VmBackend {
         spec.validate()?;
         // Cached after the first VM of an image: the kit, the KVM/TCG verdict and the disk.
         let prep = self.tier.prepare(&image.name, &image.layers, &mut cordon_image::NoProgress).map_err(vm_err("prepare the VM"))?;
+        // An interface only with a policy (or when the saved VM being restored had one).
+        let wants_net = spec.network.is_enabled() || spec.restore.as_deref().is_some_and(crate::Saved::had_network);
+        let network = wants_net
+            .then(|| -> Result<_, Error> {
+                Ok(crate::link_handshake::GuestNetwork { mac: guest_mac()?, egress_ca: spec.trusted_egress_ca().map(str::to_string) })
+            })
+            .transpose()?;
         let cfg = crate::VmConfig {
             id: spec.id.clone(),
             limits: spec.limits.clone(),
             agent: cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref()),
             volumes: spec.volumes.clone(),
+            network,
         };
-        let vm = match (&spec.restore, &spec.disk_from) {
+        let mut vm = match (&spec.restore, &spec.disk_from) {
             (Some(dir), _) => self.tier.restore(&cfg, &prep, dir).map_err(vm_err("restore the saved VM"))?,
             (None, Some(dir)) => self.tier.create_on(&cfg, &prep, dir).map_err(vm_err("start the VM on its kept disk"))?,
             (None, None) => self.tier.create(&cfg, &prep).map_err(vm_err("create the VM"))?,
         };
-        Ok(Box::new(VmSandbox { vm, start: image.meta.start.clone(), volumes: !spec.volumes.is_empty(), _pin: pin }))
+        let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
+        let link = vm.take_net_link().map(Link::Ethernet);
+        let egress = Egress::start(link, &spec.network, gateways, cordon_host::tun::MTU, &self.upstream, vm.cgroup(), &spec.limits)?;
+        Ok(Box::new(VmSandbox { vm, egress, start: image.meta.start.clone(), volumes: !spec.volumes.is_empty(), _pin: pin }))
+    }
+}
+
+/// A random MAC of its own for a VM: locally administered, unicast, never the gateway's.
+fn guest_mac() -> Result<[u8; 6], Error> {
+    loop {
+        let mut mac = [0u8; 6];
+        getrandom::fill(&mut mac).map_err(|e| Error::failed("make the VM's MAC", std::io::Error::other(e)))?;
+        mac[0] = (mac[0] & 0xfc) | 0x02;
+        if mac != cordon_sandbox::egress::GATEWAY_MAC {
+            return Ok(mac);
+        }
     }
 }

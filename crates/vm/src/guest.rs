@@ -144,9 +144,12 @@ fn init() -> Result<(), String> {
 
     mount_volumes(&cfg.volumes)?;
 
-    // No network device at all, but loopback must work: servers inside are reached through it
+    // Loopback must work with or without a network: servers inside are reached through it
     // (the agent's port forwarding connects to 127.0.0.1).
     cordon_host::sys::loopback_up().map_err(|e| format!("bring up lo: {e}"))?;
+    if let Some(net) = &cfg.network {
+        network_up(net)?;
+    }
     set_hostname(&cfg.hostname)?;
     // The agent is the guest's PID 1 from here on, which the guest's OOM killer never picks; an
     // oom_score_adj here would be inherited by every command and shield them instead.
@@ -175,6 +178,10 @@ fn init() -> Result<(), String> {
                 set_hostname(&woken.hostname).map_err(std::io::Error::other)?;
                 hostname = woken.hostname;
             }
+            // A fork gets a MAC of its own on the interface it inherited.
+            if let Some(net) = &woken.network {
+                cordon_host::tun::set_mac(net.mac).map_err(std::io::Error::other)?;
+            }
         }
     })
     .map_err(|e: std::io::Error| format!("agent: {e}"))
@@ -201,6 +208,31 @@ fn mount_volumes(volumes: &[link_handshake::GuestVolume]) -> Result<(), String> 
     if !volumes.is_empty() {
         step("volumes mounted");
     }
+    Ok(())
+}
+
+/// The interface, addressed and routed as on every tier, and the gateway as resolver. Its
+/// driver probed while the modules loaded; a restored guest has had it since its snapshot.
+fn network_up(net: &link_handshake::GuestNetwork) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    wait_for(deadline, || Path::new("/sys/class/net/eth0").exists().then(String::new), "the network interface")?;
+    cordon_host::tun::address(Some(net.mac)).map_err(|e| format!("set up eth0: {e}"))?;
+    // The image's resolver (or a link to one) is replaced in the writable layer, as the other
+    // tiers do.
+    let _ = fs::remove_file("/etc/resolv.conf");
+    fs::write("/etc/resolv.conf", cordon_host::tun::resolv_conf()).map_err(|e| format!("write /etc/resolv.conf: {e}"))?;
+    if let Some(ca) = &net.egress_ca {
+        use cordon_host::trust::{bundle, BUNDLE, CA_FILE};
+        let image = fs::read(BUNDLE).ok();
+        for (path, data) in [(BUNDLE, bundle(image.as_deref(), ca)), (CA_FILE, ca.as_bytes().to_vec())] {
+            if let Some(dir) = Path::new(path).parent() {
+                fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+            }
+            let _ = fs::remove_file(path);
+            fs::write(path, data).map_err(|e| format!("write {path}: {e}"))?;
+        }
+    }
+    step("network up");
     Ok(())
 }
 

@@ -102,6 +102,9 @@ pub struct VmConfig {
     pub agent: cordon_agent::AgentConfig,
     /// Volumes, shared over virtio-fs (see [`shares`]).
     pub volumes: Vec<cordon_spec::VolumeMount>,
+    /// A network interface, for a sandbox with an egress policy: its frames reach the host on
+    /// [`Vm::take_net_link`].
+    pub network: Option<link_handshake::GuestNetwork>,
 }
 
 /// The kit, acceleration and disk one image's VMs boot from.
@@ -327,6 +330,12 @@ impl VmTier {
         spec.monitor_fd = Some(MONITOR_FD);
         passed.push(monitor_vmm.into());
         vm.monitor = Some(monitor);
+        if spec.net_fd.is_some() {
+            let (host, vmm_net) = net_link()?;
+            plan.pass_fd(vmm_net.as_raw_fd(), NET_FD);
+            passed.push(vmm_net);
+            vm.net = Some(host);
+        }
         let handshake = start_handshake(cfg, start, &mut plan, &mut spec, &mut passed)?;
         let handshake_kind = match handshake {
             Handshake::Template => HandshakeKind::Template,
@@ -395,6 +404,8 @@ impl VmTier {
             console: Arc::new(Mutex::new(VecDeque::new())),
             accel: prep.accel.accel,
             shares: Default::default(),
+            net: None,
+            has_net: cfg.network.is_some(),
             torn_down: false,
         };
         let slot = self.slots.acquire().ok_or_else(|| VmError::BadRequest("no free uid range for the VMM".into()))?;
@@ -475,10 +486,33 @@ fn start_handshake(cfg: &VmConfig, start: Start, plan: &mut jailer::Plan, spec: 
 /// The writable disk [`Vm::keep_disk`] keeps, in its directory.
 const KEPT_DISK: &str = "rw.ext4";
 
-/// Descriptor numbers inside the VMM: the agent link, the snapshot's state, the monitor.
+/// Descriptor numbers inside the VMM: the agent link, the snapshot's state, the monitor, the
+/// network link.
 const CHANNEL_FD: i32 = 3;
 const STATE_FD: i32 = 4;
 const MONITOR_FD: i32 = 5;
+const NET_FD: i32 = 6;
+
+/// Socket buffer of each end of the network link: room for about a hundred frames of the
+/// link's MTU in flight each way (the default, about 200 KiB, holds twenty).
+const NET_BUFFER: libc::c_int = 1 << 20;
+
+/// The network link's two ends, (host, VMM): a Unix datagram socket pair, one Ethernet frame
+/// per datagram.
+fn net_link() -> Result<(OwnedFd, OwnedFd), VmError> {
+    let (a, b) = std::os::unix::net::UnixDatagram::pair().map_err(io_err("socketpair for the VM's network"))?;
+    for s in [&a, &b] {
+        for opt in [libc::SO_SNDBUFFORCE, libc::SO_RCVBUFFORCE] {
+            // SAFETY: setsockopt with an int option value on a socket we own. The FORCE
+            // variants pass the host's wmem_max/rmem_max (cordon runs as root); a failure
+            // leaves the default, which only slows the link.
+            unsafe {
+                libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, (&NET_BUFFER as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t)
+            };
+        }
+    }
+    Ok((a.into(), b.into()))
+}
 
 /// How a VM starts.
 enum Start {
@@ -513,7 +547,13 @@ enum Handshake {
 fn guest_config(cfg: &VmConfig) -> Result<link_handshake::GuestConfig, VmError> {
     let mut seed = vec![0u8; 32];
     getrandom::fill(&mut seed).map_err(|e| VmError::Io { what: "seed for the guest".into(), source: io::Error::other(e) })?;
-    Ok(link_handshake::GuestConfig { hostname: cfg.id.clone(), agent: cfg.agent.clone(), seed, volumes: shares::guest_volumes(&cfg.volumes) })
+    Ok(link_handshake::GuestConfig {
+        hostname: cfg.id.clone(),
+        agent: cfg.agent.clone(),
+        seed,
+        volumes: shares::guest_volumes(&cfg.volumes),
+        network: cfg.network.clone(),
+    })
 }
 
 /// The boot as the VMM sees it inside its jail. Nothing in it names one VM, so VMs with the
@@ -535,6 +575,7 @@ fn boot_spec(cfg: &VmConfig, prep: &Prepared) -> vmm::BootSpec {
         channel_fd: Some(CHANNEL_FD),
         incoming_fd: None,
         monitor_fd: None,
+        net_fd: cfg.network.is_some().then_some(NET_FD),
         shares: Vec::new(),
     }
 }
@@ -681,6 +722,10 @@ pub struct Vm {
     accel: Accel,
     /// The daemons serving its volumes.
     shares: shares::Shares,
+    /// The host end of its network link, until [`Vm::take_net_link`].
+    net: Option<OwnedFd>,
+    /// Whether it has a network interface (a saved copy must be restored with one).
+    has_net: bool,
     torn_down: bool,
 }
 
@@ -704,6 +749,17 @@ impl Saved {
     fn key_file(&self) -> PathBuf {
         self.dir.join("key")
     }
+
+    /// Present when the saved VM had a network interface.
+    fn net_marker(&self) -> PathBuf {
+        self.dir.join("net")
+    }
+
+    /// Whether the VM saved in `dir` had a network interface: its restore must have one too,
+    /// whatever its policy became meanwhile (an interface is part of the machine's state).
+    pub fn had_network(dir: &Path) -> bool {
+        Saved { dir: dir.to_path_buf() }.net_marker().exists()
+    }
 }
 
 impl Vm {
@@ -714,6 +770,12 @@ impl Vm {
     /// The agent's socket (host side of the multiplexed link).
     pub fn socket_path(&self) -> &Path {
         &self.socket
+    }
+
+    /// The host end of the VM's network link (Ethernet frames on a Unix datagram socket), for
+    /// the forwarder; `None` without an interface or once taken.
+    pub fn take_net_link(&mut self) -> Option<OwnedFd> {
+        self.net.take()
     }
 
     /// Host pid of the VMM.
@@ -779,6 +841,9 @@ impl Vm {
             tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "VM state saved");
             // The guest is stopped: its writable layer holds what its memory expects.
             disk::copy_sparse(&self.entry.dir().join("rw.ext4"), &saved.rw()).map_err(io_err("keep the VM's writable layer"))?;
+            if self.has_net {
+                fs::write(saved.net_marker(), b"").map_err(io_err("mark the saved VM's network interface"))?;
+            }
             fs::write(saved.key_file(), &self.key).map_err(io_err("write the saved VM's key"))
         })();
         if written.is_err() {

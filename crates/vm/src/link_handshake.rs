@@ -42,6 +42,19 @@ pub struct GuestConfig {
     /// Volumes shared by the host over virtio-fs, mounted at their paths before the agent starts.
     #[serde(default)]
     pub volumes: Vec<GuestVolume>,
+    /// The network interface's settings, when the VM has one (it has an egress policy).
+    #[serde(default)]
+    pub network: Option<GuestNetwork>,
+}
+
+/// What the guest sets on its interface; addresses, routes and resolver are every tier's
+/// (`cordon_host::tun`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct GuestNetwork {
+    /// This VM's own MAC (locally administered, unicast).
+    pub mac: [u8; 6],
+    /// The egress CA (PEM) to add to the guest's trust, when the policy injects headers.
+    pub egress_ca: Option<String>,
 }
 
 /// A virtio-fs share (its tag) and where it goes.
@@ -209,6 +222,7 @@ mod tests {
             },
             seed: vec![7; 32],
             volumes: vec![GuestVolume { tag: "cordon-vol0".into(), target: "/data".into(), read_only: true }],
+            network: Some(GuestNetwork { mac: [2, 1, 2, 3, 4, 5], egress_ca: None }),
         }
     }
 

@@ -9,9 +9,9 @@ use object::{Object, ObjectSection};
 use std::collections::{BTreeMap, HashSet};
 
 /// What the guest needs: virtio transports (mmio for microvm and Firecracker, pci for Cloud
-/// Hypervisor), the block and console drivers, ext4 for the disks and overlayfs for the root.
-/// Names that are built into the kernel are skipped.
-pub const WANTED: &[&str] = &["virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "ext4", "overlay", "virtiofs"];
+/// Hypervisor), the block, console and network drivers, ext4 for the disks and overlayfs for
+/// the root. Names that are built into the kernel are skipped.
+pub const WANTED: &[&str] = &["virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_net", "ext4", "overlay", "virtiofs"];
 
 /// One module: its name as the kernel knows it, what it needs loaded first, and its bytes.
 pub struct Module {

@@ -40,6 +40,9 @@ impl Accel {
     }
 }
 
+/// The MAC every VM's interface starts with (see [`BootSpec::net_fd`]).
+pub const TEMPLATE_MAC: &str = "02:c0:d0:00:00:02";
+
 /// One boot, with paths as the VMM sees them inside its jail.
 #[derive(Debug, Clone)]
 pub struct BootSpec {
@@ -60,6 +63,10 @@ pub struct BootSpec {
     pub incoming_fd: Option<i32>,
     /// A QMP monitor on this socket descriptor (template VMs only, to save their state).
     pub monitor_fd: Option<i32>,
+    /// A virtio-net interface whose frames go to this Unix datagram socket, one per datagram
+    /// (see `cordon_net::ethernet`). Its MAC here is the same for every VM, so that VMs of one
+    /// kind share a snapshot; the guest sets its own when it gets its config.
+    pub net_fd: Option<i32>,
     /// virtio-fs shares: (vhost-user socket path inside the jail, tag). Their daemons map the
     /// guest's memory, which is then a shared memfd.
     pub shares: Vec<(PathBuf, String)>,
@@ -210,6 +217,14 @@ impl Vmm for Qemu {
                     format!("vhost-user-fs-device,chardev=vfs{i},tag={tag}"),
                 ]);
             }
+        }
+        if let Some(fd) = s.net_fd {
+            a.extend([
+                "-netdev".to_string(),
+                format!("socket,id=net0,fd={fd}"),
+                "-device".into(),
+                format!("virtio-net-device,netdev=net0,mac={TEMPLATE_MAC},host_mtu={}", cordon_host::tun::MTU),
+            ]);
         }
         if let Some(fd) = s.monitor_fd {
             a.extend(["-chardev".to_string(), format!("socket,id=monitor,fd={fd}"), "-mon".into(), "chardev=monitor,mode=control".into()]);
