@@ -397,6 +397,16 @@ crate::per_tier!(
     the_forwarders_cpu_for_a_sandbox_counts_against_its_cpus,
 );
 
+// In a microVM the same floods leave the guest's kernel as virtio-net frames that cordon reads
+// from a socket pair, and guest root may write any frame it likes. The CPU cases are left to ns
+// and gvisor: a guest under TCG at a tenth of a core spends the flood's window booting.
+crate::on_vm!(
+    dns_types_that_carry_data_never_reach_the_allowed_zones_server,
+    connections_to_a_host_that_never_reads_hold_bounded_forwarder_memory,
+    a_dns_flood_with_a_silent_upstream_holds_bounded_forwarder_memory,
+    a_guest_writing_raw_frames_holds_bounded_forwarder_memory_and_its_malformed_frames_are_counted,
+);
+
 /// Growth of cordon's peak RSS over its baseline that an egress flood may cause.
 const NET_RSS_ALLOWANCE: u64 = 16 << 20;
 
@@ -521,7 +531,9 @@ const STDERR_ALLOWANCE: usize = 4;
 fn egress_flood(tier: Tier, flags: &[&str], script: &str, what: &str) -> (Cost, Value) {
     ensure_base();
     let _shared = testnet::QUIET.read().unwrap_or_else(|e| e.into_inner());
-    let mut all = tier.flags(&["--json", "--timeout", "60s", "--memory", "64M"]);
+    // A guest's kernel and agent live in its memory cap: the vm tier's smallest is 128M.
+    let memory = if matches!(tier, Tier::Vm) { "192M" } else { "64M" };
+    let mut all = tier.flags(&["--json", "--timeout", "60s", "--memory", memory]);
     all.extend_from_slice(flags);
     let mut child = cordon()
         .arg("run")
@@ -620,4 +632,65 @@ fn the_forwarders_cpu_for_a_sandbox_counts_against_its_cpus(tier: Tier) {
         cost.cpu,
         cost.wall
     );
+}
+
+/// Guest root's raw frames on `eth0`, from eight AF_PACKET sockets: garbage under an IPv4
+/// ethertype, a SYN to a new blocked port every time (each a new audit key), an ARP request for
+/// a new address (each answered by the host's Ethernet layer), and frames of an ethertype the
+/// link does not carry.
+const FRAME_FLOOD: &str = r#"mac = bytes.fromhex(open('/sys/class/net/eth0/address').read().strip().replace(':', ''))
+gw = bytes.fromhex('02c0d0000001')
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); probe.connect(('10.0.2.1', 53))
+me = socket.inet_aton(probe.getsockname()[0])
+def csum(b):
+    if len(b) % 2: b += b'\0'
+    t = sum(struct.unpack('!%dH' % (len(b) // 2), b))
+    while t >> 16: t = (t & 0xffff) + (t >> 16)
+    return ~t & 0xffff
+def syn(port, k):
+    dst = socket.inet_aton('198.51.100.11')
+    tcp = struct.pack('!HHIIBBHHH', 40000 + k, port, 1, 0, 5 << 4, 2, 65535, 0, 0)
+    tcp = tcp[:16] + struct.pack('!H', csum(me + dst + struct.pack('!BBH', 0, 6, len(tcp)) + tcp)) + tcp[18:]
+    ip = struct.pack('!BBHHHBBH4s4s', 0x45, 0, 20 + len(tcp), 0, 0, 64, 6, 0, me, dst)
+    return gw + mac + b'\x08\x00' + ip[:10] + struct.pack('!H', csum(ip)) + ip[12:] + tcp
+def arp(n):
+    return b'\xff' * 6 + mac + b'\x08\x06' + bytes([0, 1, 8, 0, 6, 4, 0, 1]) + mac + me + b'\0' * 6 + struct.pack('!I', 0xc6336400 + n % 256)
+bad = gw + mac + b'\x08\x00' + b'\0' * 46
+other = gw + mac + b'\x88\xb5' + b'\0' * 1500
+def run(k):
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW); s.bind(('eth0', 0))
+    i = 0
+    while time.time() < stop:
+        for f in (bad, syn(1 + (i * 8 + k) % 65535, k), arp(i), other):
+            try:
+                s.send(f); i += 1
+            except OSError:
+                pass
+    sent[k] = i
+"#;
+
+/// Guest root owns the guest's kernel and may write any frame to its network device: what
+/// cordon does with each must cost it bounded memory and print nothing on the operator's
+/// terminal; a frame that does not parse is dropped and counted in the audit, and the forged
+/// SYNs are refused and recorded like any other attempt, within the audit's bound.
+fn a_guest_writing_raw_frames_holds_bounded_forwarder_memory_and_its_malformed_frames_are_counted(tier: Tier) {
+    let what = "raw frames from guest root";
+    let (cost, rec) = egress_flood(
+        tier,
+        &["--user", "root", "--dns-upstream", testnet::DNS, "--allow-net", "198.51.100.11:9001"],
+        &eight_threads(FRAME_FLOOD),
+        what,
+    );
+    let blocked = rec["blocked_connections"].as_array().cloned().unwrap_or_default();
+    let malformed: u64 = blocked
+        .iter()
+        .filter(|b| b["proto"] == "ethernet" && b["reason"].as_str().unwrap_or("").starts_with("malformed frame"))
+        .map(|b| b["count"].as_u64().unwrap_or(0))
+        .sum();
+    let syns = blocked.iter().filter(|b| b["proto"] == "tcp" && b["destination"].as_str().unwrap_or("").starts_with("198.51.100.11:")).count();
+    eprintln!("{what}: {} frames sent, {malformed} malformed counted, {syns} refused SYN destinations, {} audit entries", cost.calls, blocked.len());
+    assert!(malformed > 0, "{what}: no malformed frame was counted: {blocked:?}");
+    assert!(malformed <= cost.calls, "{what}: more malformed frames counted than sent");
+    assert!(syns > 0, "{what}: the forged SYNs were not refused and recorded");
+    assert!(blocked.len() <= 4096 + 8, "{what}: the audit grew past its bound: {} entries", blocked.len());
 }
