@@ -21,11 +21,14 @@ import httpx
 import pytest
 from e2b import Sandbox, Secret
 
-from conftest import API_KEY, Serve
+from conftest import API_KEY, Serve, needs_qemu
+from test_network_api import DIAL, assert_refused_at_once
 
 STATE = os.environ.get("CORDON_HOME", "/var/lib/cordon")
 NS = f"cordon-e2b-inj-{os.getpid()}"
 HOST_IP, SERVER_IP, PREFIX = "203.0.113.65", "203.0.113.70", 26
+# An address of the test's subnet that nothing holds: no rule opens it unless a test says so.
+OTHER_IP = "203.0.113.71"
 NAME = "api.e2b.test"
 
 SERVER = textwrap.dedent(
@@ -248,5 +251,48 @@ def test_rules_are_checked_like_e2b(server):
             assert raw["network"]["rules"] == {}
         finally:
             sbx.kill()
+    finally:
+        Secret.destroy(name, **opts)
+
+
+@needs_qemu
+def test_a_vm_sandbox_reaches_the_allowed_host_only_with_its_secret_injected_and_updates_take_effect(outside, server):
+    """The same policy on the vm tier: the guest's frames reach the same forwarder, which lets it
+    reach the allowed host (with the rule's secret injected, the guest trusting the forwarder's
+    certificate without flags), refuses another address at once, and obeys `update_network`."""
+    opts, url = server["opts"], server["url"]
+    h = {"X-API-KEY": API_KEY}
+    value, name, tag = f"sk-{uuid.uuid4().hex}", f"inj-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    Secret.create(name, value, **opts)
+    try:
+        rules = {NAME: [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets." + name + "}"}}}]}
+        r = httpx.post(
+            f"{url}/sandboxes",
+            headers=h,
+            json={"templateID": "base", "tier": "vm", "timeout": 300, "network": {"allowOut": [SERVER_IP], "rules": rules}},
+            timeout=300,
+        )
+        assert r.status_code == 201, r.text
+        sbx = Sandbox.connect(r.json()["sandboxID"], **opts)
+        try:
+            curl = f"curl -sS --fail --max-time 20 -o /dev/null --resolve {NAME}:443:{SERVER_IP} https://{NAME}/echo?t={tag}"
+            r = sbx.commands.run(curl, timeout=120)
+            assert r.exit_code == 0, r.stderr
+            # An address no rule opens: refused at once, and in the trail.
+            out = sbx.commands.run(DIAL.format(ip=OTHER_IP) + " || true", timeout=60).stdout
+            assert_refused_at_once(out)
+            trail = lambda: httpx.get(f"{url}/sandboxes/{sbx.sandbox_id}/audit", headers=h, timeout=30).json()["blockedConnections"]
+            assert any(OTHER_IP in b["destination"] for b in trail()), trail()
+            # The update swaps the two: the echo server is refused from now on.
+            sbx.update_network({"allow_out": [OTHER_IP]})
+            net = httpx.get(f"{url}/sandboxes/{sbx.sandbox_id}", headers=h, timeout=30).json()["network"]
+            assert net["allowOut"] == [f"{OTHER_IP}/32"], net
+            r = sbx.commands.run(curl.replace(f"t={tag}", f"t={tag}-after") + " || echo refused", timeout=120)
+            assert "refused" in r.stdout, r
+            assert any(SERVER_IP in b["destination"] for b in trail()), trail()
+        finally:
+            sbx.kill()
+        got = echoes(outside, tag)
+        assert len(got) == 1 and header(got[0], "authorization") == [f"Bearer {value}"], got
     finally:
         Secret.destroy(name, **opts)

@@ -363,13 +363,29 @@ async fn a_volume_is_the_workspace_that_outlives_each_session() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_agent_uses_a_key_it_never_holds() {
     require_root!();
+    agent_uses_a_key_it_never_holds(Tier::Ns).await;
+}
+
+/// The same from a microVM: the guest's frames reach the same forwarder, and the guest trusts
+/// its certificate as the other tiers' sandboxes do.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_in_a_vm_uses_a_key_it_never_holds() {
+    require_root!();
+    if let Some(why) = Tier::Vm.unavailable() {
+        skip(&why);
+        return;
+    }
+    agent_uses_a_key_it_never_holds(Tier::Vm).await;
+}
+
+async fn agent_uses_a_key_it_never_holds(tier: Tier) {
     testnet::internet();
     let ca = testnet::test_ca_pem();
     let value = format!("mcp-key-{}", std::process::id());
     let secret = format!("KEY={value}");
-    let tag = format!("mcp{}", std::process::id());
+    let tag = format!("mcp{}{}", tier.as_str(), std::process::id());
     let flags = [
-        "--dns-upstream", testnet::DNS, "--upstream-ca", ca.to_str().unwrap(), "--allow-net", "api.test",
+        "--tier", tier.as_str(), "--dns-upstream", testnet::DNS, "--upstream-ca", ca.to_str().unwrap(), "--allow-net", "api.test",
         "--secret", &secret, "--inject", "api.test:Authorization=Bearer ${secrets.KEY}",
     ];
     let mut s = start(&flags).await;
@@ -393,7 +409,6 @@ fn bad_flags_are_one_line_usage_errors() {
         (&["--memory", "lots"][..], "--memory"),
         (&["--timeout", "20m"][..], "--max-timeout"),
         (&["--tier", "warp"][..], "tier"),
-        (&["--tier", "vm", "--allow-net", "pypi.org"][..], "ns and gvisor tiers"),
         (&["--image", "no-such-image-x"][..], "no-such-image-x"),
         (&["--http", "0.0.0.0:7000"][..], "loopback"),
         (&["--allow-net", "198.51.100.0/99"][..], "--allow-net"),

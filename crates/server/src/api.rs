@@ -246,10 +246,6 @@ impl NetworkBody {
         p.transforms = transforms;
         Ok(p)
     }
-
-    fn names_rules(&self) -> bool {
-        !self.allow_out.is_empty() || !self.deny_out.is_empty()
-    }
 }
 
 fn timeout_from(t: Option<i64>, default: u64) -> Result<Duration, ApiError> {
@@ -320,15 +316,8 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
     cordon_spec::validate_env_vars(env_vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .map_err(|e| ApiError::bad_request(format!("envVars: {}", e.reason)))?;
     let body = b.network.as_ref();
-    let mut network = body.unwrap_or(&NetworkBody::default()).policy(app, b.allow_internet_access)?;
-    if let Err(e) = app.sandboxes.check_network(tier, &network) {
-        // A tier without egress (vm) under the open default, asked for no rules, is closed:
-        // refusing every plain create there would make the tier unusable.
-        if body.is_some_and(NetworkBody::names_rules) || !app.network_default.is_open() {
-            return Err(ApiError::bad_request(e.to_string()));
-        }
-        network = cordon_spec::NetworkPolicy::default();
-    }
+    let network = body.unwrap_or(&NetworkBody::default()).policy(app, b.allow_internet_access)?;
+    app.sandboxes.check_network(tier, &network).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let traffic = match &b.network {
         Some(n) => crate::traffic::Traffic::new(n.allow_public_traffic, n.mask_request_host.clone())?,
         None => Default::default(),
