@@ -42,6 +42,8 @@ const ETHERTYPE_IPV6: u16 = 0x86dd;
 const ICMPV6: u8 = 58;
 const ND_NEIGHBOR_SOLICIT: u8 = 135;
 const ND_NEIGHBOR_ADVERT: u8 = 136;
+/// Link-layer frames one read handles before it lets the stack's other work run.
+const LINK_ONLY_BATCH: usize = 64;
 /// The largest frame read: a 64 KiB IP packet and its header (the link's MTU is far below).
 const MAX_FRAME: usize = ETH_HEADER + 65535;
 
@@ -217,7 +219,16 @@ fn icmpv6_checksum(src: &[u8; 16], dst: &[u8; 16], msg: &[u8]) -> u16 {
 impl AsyncRead for EthernetDevice {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        // Frames handled here without a packet for the stack (answers, drops) in this call: a
+        // guest sending only those would otherwise keep the call, and the stack's other work on
+        // this thread, from ever returning.
+        let mut link_only = 0;
         loop {
+            if link_only == LINK_ONLY_BATCH {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            link_only += 1;
             let mut guard = ready!(this.fd.poll_read_ready(cx))?;
             let frame = &mut this.frame;
             let res = guard.try_io(|fd| {
@@ -229,9 +240,10 @@ impl AsyncRead for EthernetDevice {
                     Ok(n as usize)
                 }
             });
+            // An empty datagram is an empty frame, not the end of the link: a datagram socket
+            // pair has no end of stream (a VMM that exits leaves this end quiet; the sandbox's
+            // teardown stops the forwarder).
             let n = match res {
-                // The VMM is gone: the stack sees the end of its device.
-                Ok(Ok(0)) => return Poll::Ready(Ok(())),
                 Ok(Ok(n)) => n,
                 Ok(Err(e)) => return Poll::Ready(Err(e)),
                 Err(_would_block) => continue,
@@ -376,6 +388,7 @@ mod tests {
         assert!(matches!(classify(&frame(ETHERTYPE_IPV4, &[0x45; 3])), Frame::Malformed(_)));
         assert!(matches!(classify(&frame(ETHERTYPE_IPV6, &[0x45; 40])), Frame::Malformed(_)));
         assert!(matches!(classify(&[1, 2, 3]), Frame::Malformed(_)));
+        assert!(matches!(classify(&[]), Frame::Malformed(_)));
         assert!(matches!(classify(&frame(ETHERTYPE_ARP, &[0; 5])), Frame::Malformed(_)));
         assert_eq!(classify(&frame(0x88cc, &[0; 40])), Frame::Ignored);
     }

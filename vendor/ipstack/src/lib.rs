@@ -45,6 +45,8 @@ const TUN_PROTO_IP4: [u8; 2] = [0x00, 0x02];
 /// Minimum MTU required for IPv6 (per RFC 8200 §5: MTU ≥ 1280).
 /// Also satisfies IPv4 minimum MTU (RFC 791 §3.1: 68 bytes).
 const MIN_MTU: u16 = 1280;
+/// cordon: new flows the application has not yet accepted, at most.
+const ACCEPT_BACKLOG: usize = 64;
 
 /// Configuration for the IP stack.
 ///
@@ -220,7 +222,7 @@ impl IpStackConfig {
 /// }
 /// ```
 pub struct IpStack {
-    accept_receiver: UnboundedReceiver<IpStackStream>,
+    accept_receiver: mpsc::Receiver<IpStackStream>,
     handle: JoinHandle<Result<()>>,
 }
 
@@ -253,7 +255,11 @@ impl IpStack {
     where
         Device: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let (accept_sender, accept_receiver) = mpsc::unbounded_channel::<IpStackStream>();
+        // cordon: a bounded backlog. Upstream queued every new flow unboundedly, each with its
+        // own tasks and channels, so a peer sending SYNs to a new port each time faster than the
+        // application accepted them grew the stack without bound; a full backlog now holds the
+        // device loop (and so the peer) until the application has taken one.
+        let (accept_sender, accept_receiver) = mpsc::channel::<IpStackStream>(ACCEPT_BACKLOG);
         IpStack {
             accept_receiver,
             handle: run(config, device, accept_sender),
@@ -307,7 +313,7 @@ impl Drop for IpStack {
 fn run<Device: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     config: IpStackConfig,
     mut device: Device,
-    accept_sender: UnboundedSender<IpStackStream>,
+    accept_sender: mpsc::Sender<IpStackStream>,
 ) -> JoinHandle<Result<()>> {
     let mut sessions: SessionCollection = AHashMap::new();
     let (session_remove_tx, mut session_remove_rx) = mpsc::unbounded_channel::<NetworkTuple>();
@@ -347,11 +353,11 @@ async fn process_device_read(
     session_remove_tx: &UnboundedSender<NetworkTuple>,
     up_pkt_sender: &PacketSender,
     config: &IpStackConfig,
-    accept_sender: &UnboundedSender<IpStackStream>,
+    accept_sender: &mpsc::Sender<IpStackStream>,
 ) -> Result<()> {
     let Ok(packet) = NetworkPacket::parse(data) else {
         let stream = IpStackStream::UnknownNetwork(data.to_owned());
-        accept_sender.send(stream)?;
+        accept_sender.send(stream).await?;
         return Ok(());
     };
 
@@ -364,7 +370,7 @@ async fn process_device_read(
             config.mtu,
             up_pkt_sender.clone(),
         ));
-        accept_sender.send(stream)?;
+        accept_sender.send(stream).await?;
         return Ok(());
     }
 
@@ -386,7 +392,7 @@ async fn process_device_read(
                 }
             });
             let packet_sender = ip_stack_stream.stream_sender()?;
-            accept_sender.send(ip_stack_stream)?;
+            accept_sender.send(ip_stack_stream).await?;
             entry.insert(packet_sender);
             log::debug!("session created: {network_tuple}");
         }
