@@ -261,3 +261,36 @@ def test_a_vm_paused_with_memory_survives_a_restart_and_a_kill_mid_pause():
         assert [p for p in glob.glob(f"{STATE_DIR}/paused/*.mem") if not os.path.exists(p[: -len(".mem")] + ".json")] == []
     finally:
         srv.stop()
+
+
+def test_a_vm_keeps_its_network_across_a_pause_and_in_its_forks():
+    """A networked VM's interface is part of its machine: after a memory pause and resume, and in
+    each fork, the guest has it with the policy in force (a dial no rule opens is refused at once
+    and lands in that sandbox's own trail); a fork gets a MAC of its own."""
+    from test_network_api import assert_refused_at_once, blocked_to, dial
+
+    sid = create_vm(network={"allowOut": ["198.51.100.0/25"]})
+    src = Sandbox.connect(sid)
+    forks = []
+    mac_of = lambda s: s.commands.run("cat /sys/class/net/eth0/address", timeout=60).stdout.strip()
+    try:
+        mac = mac_of(src)
+        assert src.pause() is True
+        src = Sandbox.connect(sid)
+        assert mac_of(src) == mac
+        assert_refused_at_once(dial(src, "198.51.100.200"))
+        assert blocked_to(sid, "198.51.100.200")
+        forks = src.fork(count=1, timeout=120)
+        assert len(forks) == 1 and not isinstance(forks[0], Exception), forks
+        fork = forks[0]
+        assert mac_of(fork) not in (mac, "")
+        assert_refused_at_once(dial(fork, "198.51.100.201"))
+        assert blocked_to(fork.sandbox_id, "198.51.100.201")
+        assert not blocked_to(sid, "198.51.100.201"), "the fork's attempt is in the source's trail"
+        net = httpx.get(f"{API_URL}/sandboxes/{fork.sandbox_id}", headers=HEADERS, timeout=30).json()["network"]
+        assert net["allowOut"] == ["198.51.100.0/25"], net
+    finally:
+        for f in forks:
+            if not isinstance(f, Exception):
+                f.kill()
+        src.kill()

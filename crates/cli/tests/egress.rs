@@ -776,15 +776,21 @@ fn git_clones_over_https_from_an_allowed_host_and_not_otherwise(tier: Tier) {
 }
 
 /// Root in a microVM owns its kernel's side of the link (on ns and gvisor it has no
-/// CAP_NET_ADMIN over it at all): it adds addresses and routes, points the
-/// default route at a gateway that does not exist, names another resolver, and takes another
-/// host's address as its own. None of it opens anything: every packet still ends at the
-/// forwarder, which decides by the policy alone and answers DNS only itself.
+/// CAP_NET_ADMIN over it at all): it sends a raw ICMP echo request, adds addresses and routes,
+/// points the default route at a gateway that does not exist, names another resolver, and
+/// takes another host's address as its own. None of it opens anything: every packet still ends
+/// at the forwarder, which decides by the policy alone and answers DNS only itself.
 fn guest_root_rewiring_its_network_reaches_nothing_more(tier: Tier) {
     let inet = internet();
     let _shared = QUIET.read().unwrap_or_else(|e| e.into_inner());
     let mark = inet.mark();
-    let script = format!(
+    // First a raw ICMP echo request as root (the guest's kernel lets root open raw sockets).
+    let ping = format!(
+        "python3 -c \"import socket, struct; s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); \
+         p = struct.pack('!BBHHH', 8, 0, 0, 1, 1) + b'x' * 8; c = sum(struct.unpack('!8H', p)); c = (c & 0xffff) + (c >> 16); \
+         s.sendto(p[:2] + struct.pack('!H', ~c & 0xffff) + p[4:], ('{WEB_V4}', 0)); print('raw sent')\"; "
+    );
+    let script = ping + &format!(
         "ip addr add 203.0.113.77/24 dev eth0 && ip route add 198.51.100.0/24 dev eth0 src 203.0.113.77 && \
          ip route replace default via 10.0.2.99 dev eth0 onlink && echo rewired; \
          {CURL} http://{OTHER_V4}/; echo raw=$?; \
@@ -796,6 +802,8 @@ fn guest_root_rewiring_its_network_reaches_nothing_more(tier: Tier) {
     std::thread::sleep(Duration::from_millis(300));
     let seen = inet.since(&mark);
     assert!(r.stdout.contains("rewired") && r.stdout.contains("spoofing"), "root could not change its own network, so nothing was tried: {r:?}");
+    assert!(r.stdout.contains("raw sent"), "root could not send a raw packet, so nothing was tried: {r:?}");
+    assert!(has_block(&r, "icmp", WEB_V4, "only TCP and DNS"), "{:?}", blocked(&r));
     for tried in ["raw", "name", "spoofed"] {
         assert!(r.stdout.contains(&format!("{tried}=")) && !r.stdout.contains(&format!("{tried}=0")), "{tried}: {r:?}");
     }

@@ -151,7 +151,12 @@ impl Backend for VmBackend {
         let wants_net = spec.network.is_enabled() || spec.restore.as_deref().is_some_and(crate::Saved::had_network);
         let network = wants_net
             .then(|| -> Result<_, Error> {
-                Ok(crate::link_handshake::GuestNetwork { mac: guest_mac()?, egress_ca: spec.trusted_egress_ca().map(str::to_string) })
+                let resumed = spec.restore.as_deref().and_then(|dir| crate::Saved::resumed_mac(dir, &spec.id));
+                let mac = match resumed {
+                    Some(mac) => mac,
+                    None => guest_mac()?,
+                };
+                Ok(crate::link_handshake::GuestNetwork { mac, egress_ca: spec.trusted_egress_ca().map(str::to_string) })
             })
             .transpose()?;
         let cfg = crate::VmConfig {

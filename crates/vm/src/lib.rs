@@ -405,7 +405,7 @@ impl VmTier {
             accel: prep.accel.accel,
             shares: Default::default(),
             net: None,
-            has_net: cfg.network.is_some(),
+            net_mac: cfg.network.as_ref().map(|n| n.mac),
             torn_down: false,
         };
         let slot = self.slots.acquire().ok_or_else(|| VmError::BadRequest("no free uid range for the VMM".into()))?;
@@ -724,8 +724,9 @@ pub struct Vm {
     shares: shares::Shares,
     /// The host end of its network link, until [`Vm::take_net_link`].
     net: Option<OwnedFd>,
-    /// Whether it has a network interface (a saved copy must be restored with one).
-    has_net: bool,
+    /// Its network interface's MAC, if it has one (a saved copy must be restored with one, and a
+    /// resume keeps the MAC).
+    net_mac: Option<[u8; 6]>,
     torn_down: bool,
 }
 
@@ -750,7 +751,7 @@ impl Saved {
         self.dir.join("key")
     }
 
-    /// Present when the saved VM had a network interface.
+    /// Present when the saved VM had a network interface: its sandbox id and its MAC.
     fn net_marker(&self) -> PathBuf {
         self.dir.join("net")
     }
@@ -759,6 +760,18 @@ impl Saved {
     /// whatever its policy became meanwhile (an interface is part of the machine's state).
     pub fn had_network(dir: &Path) -> bool {
         Saved { dir: dir.to_path_buf() }.net_marker().exists()
+    }
+
+    /// The MAC of the VM saved in `dir` when it was sandbox `id`'s: a resume keeps its MAC, as
+    /// the same machine does, while a fork or a sandbox of a snapshot gets its own.
+    pub fn resumed_mac(dir: &Path, id: &str) -> Option<[u8; 6]> {
+        let marker = fs::read_to_string(Saved { dir: dir.to_path_buf() }.net_marker()).ok()?;
+        let (saved_id, mac) = marker.trim().split_once(' ')?;
+        if saved_id != id {
+            return None;
+        }
+        let bytes: Vec<u8> = mac.split(':').map(|b| u8::from_str_radix(b, 16)).collect::<Result<_, _>>().ok()?;
+        bytes.try_into().ok()
     }
 }
 
@@ -841,8 +854,9 @@ impl Vm {
             tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "VM state saved");
             // The guest is stopped: its writable layer holds what its memory expects.
             disk::copy_sparse(&self.entry.dir().join("rw.ext4"), &saved.rw()).map_err(io_err("keep the VM's writable layer"))?;
-            if self.has_net {
-                fs::write(saved.net_marker(), b"").map_err(io_err("mark the saved VM's network interface"))?;
+            if let Some(mac) = self.net_mac {
+                let mac = mac.map(|b| format!("{b:02x}")).join(":");
+                fs::write(saved.net_marker(), format!("{} {mac}\n", self.id)).map_err(io_err("mark the saved VM's network interface"))?;
             }
             fs::write(saved.key_file(), &self.key).map_err(io_err("write the saved VM's key"))
         })();
