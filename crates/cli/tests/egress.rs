@@ -12,10 +12,10 @@ use serde_json::Value;
 use std::time::Duration;
 use testnet::*;
 
-// The cases that hold on every tier with egress (the same forwarder behind a different kernel);
-// the rest are the ns tier's own (Landlock's TCP rules, the policy's matching, which does not
-// depend on the tier) or need two sandboxes.
-per_tier!(
+// The cases that hold on every tier (the same forwarder behind a different kernel: in a
+// microVM its frames reach it from a virtio-net device over a socket pair); the rest are the ns
+// tier's own (Landlock's TCP rules) or need two sandboxes.
+every_tier!(
     no_policy_means_no_interface_and_not_one_packet_out,
     allowed_domain_over_http_with_curl,
     allowed_domain_over_https_with_curl,
@@ -32,32 +32,28 @@ per_tier!(
     ipv6_goes_through_the_same_forwarder,
 );
 
-// The vm tier's guest kernel reaches the same forwarder through a virtio-net device whose
-// frames the host reads from a socket pair: every tier-independent case holds there too.
-on_vm!(
-    no_policy_means_no_interface_and_not_one_packet_out,
-    allowed_domain_over_http_with_curl,
-    allowed_domain_over_https_with_curl,
-    allowed_domain_with_python_urllib_http_and_https,
-    unlisted_domain_fails_and_is_audited,
-    query_straight_to_another_resolver_fails,
-    raw_ip_connect_to_an_unlisted_address_fails,
-    udp_and_icmp_fail_even_with_everything_allowed,
-    denied_connections_fail_at_once_with_a_reset_or_an_unreachable,
-    allowed_names_resolving_to_loopback_private_or_metadata_are_refused,
-    sni_naming_an_allowed_host_while_dialling_another_ip_reaches_only_the_allowed_host,
-    services_on_the_hosts_loopback_are_unreachable_with_any_policy,
-    services_on_the_hosts_own_addresses_are_unreachable_with_any_policy,
-    ipv6_goes_through_the_same_forwarder,
-    guest_root_rewiring_its_network_reaches_nothing_more,
-);
+// Root owns its kernel's network configuration only in a microVM.
+mod root {
+    use super::*;
+    crate::on_vm!(guest_root_rewiring_its_network_reaches_nothing_more);
+}
 
 // The policy's matching and the real clients (pip, git) on ns and in a microVM. gvisor runs the
 // ns tier's policy code behind the same forwarder, which the cases above already cover.
 mod policy {
     use super::*;
-    crate::tier_tests!(ns, Ns, dns_for_unlisted_names_is_nxdomain_over_udp_and_tcp, wildcard_matches_subdomains_not_the_apex, names_match_case_insensitively, cidr_rules_allow_addresses_and_nothing_else, port_rules_limit_a_name_to_its_ports, the_forwarder_enforces_ports_where_landlock_does_not, deny_rules_cut_holes_in_allow_rules, pip_installs_from_an_allowed_index_with_files_on_a_wildcard_host, pip_fails_when_the_index_is_allowed_but_its_file_host_is_not, git_clones_over_https_from_an_allowed_host_and_not_otherwise);
-    crate::tier_tests!(vm, Vm, dns_for_unlisted_names_is_nxdomain_over_udp_and_tcp, wildcard_matches_subdomains_not_the_apex, names_match_case_insensitively, cidr_rules_allow_addresses_and_nothing_else, port_rules_limit_a_name_to_its_ports, the_forwarder_enforces_ports_where_landlock_does_not, deny_rules_cut_holes_in_allow_rules, pip_installs_from_an_allowed_index_with_files_on_a_wildcard_host, pip_fails_when_the_index_is_allowed_but_its_file_host_is_not, git_clones_over_https_from_an_allowed_host_and_not_otherwise);
+    crate::ns_and_vm!(
+        dns_for_unlisted_names_is_nxdomain_over_udp_and_tcp,
+        wildcard_matches_subdomains_not_the_apex,
+        names_match_case_insensitively,
+        cidr_rules_allow_addresses_and_nothing_else,
+        port_rules_limit_a_name_to_its_ports,
+        the_forwarder_enforces_ports_where_landlock_does_not,
+        deny_rules_cut_holes_in_allow_rules,
+        pip_installs_from_an_allowed_index_with_files_on_a_wildcard_host,
+        pip_fails_when_the_index_is_allowed_but_its_file_host_is_not,
+        git_clones_over_https_from_an_allowed_host_and_not_otherwise,
+    );
 }
 
 /// `cordon run` with the test internet's DNS as upstream, the given rules, and a bash script.

@@ -129,6 +129,27 @@ macro_rules! on_vm {
     };
 }
 
+/// One `#[test]` per tier, the vm tier's included, for each named `fn(Tier)` body:
+/// [`per_tier!`] and [`on_vm!`] of one list.
+#[macro_export]
+macro_rules! every_tier {
+    ($($name:ident),+ $(,)?) => {
+        $crate::per_tier!($($name),+);
+        $crate::on_vm!($($name),+);
+    };
+}
+
+/// `ns::<name>` and `vm::<name>` for each named `fn(Tier)` body (in a module of the caller's
+/// when [`per_tier!`] has made `ns` already): cases whose difference between tiers is the
+/// kernel, the host's or a guest's, where gvisor adds nothing the per-tier cases do not cover.
+#[macro_export]
+macro_rules! ns_and_vm {
+    ($($name:ident),+ $(,)?) => {
+        $crate::tier_tests!(ns, Ns, $($name),+);
+        $crate::tier_tests!(vm, Vm, $($name),+);
+    };
+}
+
 /// The state dir the tests use. Shared with the default so that the image built once by the
 /// quick start or a previous run is reused.
 pub fn state_dir() -> PathBuf {
