@@ -424,7 +424,9 @@ fn print_record(spec: &SandboxSpec, code: i32, reason: Reason, duration: Duratio
         "blocked_connections": stats.blocked,
         "injected_headers": stats.injected,
     });
-    println!("{rec}");
+    // A reader that went away (`| head`) loses the record; that is no reason to panic, and the
+    // exit status still says how the command ended.
+    let _ = writeln!(std::io::stdout(), "{rec}");
 }
 
 fn secs(d: Duration) -> String {

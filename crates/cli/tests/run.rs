@@ -420,3 +420,17 @@ fn doctor_prints_each_tier_once() {
     assert!(reason.contains("/nonexistent"), "the reason names the missing VMM: {reason}");
     assert_eq!(tier_lines(&text).len(), 3, "{text}");
 }
+
+/// A reader that goes away before the JSON record (`cordon run --json ... | head -c0`) loses
+/// the record, and cordon still ends with the command's status instead of a panic.
+#[test]
+fn a_closed_stdout_loses_the_record_without_a_panic() {
+    require_root!();
+    ensure_base();
+    let mut child = cordon().args(["run", "--json", "--", "true"]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+}
