@@ -46,7 +46,7 @@ impl Capabilities {
     pub fn check_network(&self, tier: Tier, network: &NetworkPolicy) -> Result<(), Error> {
         if network.is_enabled() && !self.egress {
             return Err(Error::BadRequest(format!(
-                "network allowlists are enforced on the ns and gvisor tiers only so far; the {tier} tier runs with no network: drop the network rules or use another tier"
+                "the {tier} tier cannot enforce network rules and runs with no network: drop the rules or use a tier with egress"
             )));
         }
         Ok(())
