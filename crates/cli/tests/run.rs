@@ -216,7 +216,7 @@ fn bad_input_gets_one_line_and_exit_2() {
         &["run", "--image", "no-such-image", "--", "true"],
         &["run", "--memory", "12XB", "--", "true"],
         &["run"],
-        &["run", "--tier", "vm", "--allow-net", "pypi.org", "--", "true"],
+        &["run", "--tier", "vm", "--memory", "64M", "--", "true"],
         &["run", "--tier", "warp", "--", "true"],
         &["run", "--cpus", "lots", "--", "true"],
         &["run", "--env", "NOEQUALS", "--", "true"],
