@@ -128,7 +128,10 @@ pub fn create() -> io::Result<OwnedFd> {
 
 /// Sets the MAC of the Ethernet interface `eth0` (a VM's; up or not).
 pub fn set_mac(mac: [u8; 6]) -> io::Result<()> {
-    let s4 = socket(libc::AF_INET)?;
+    set_mac_with(&socket(libc::AF_INET)?, mac)
+}
+
+fn set_mac_with(s4: &OwnedFd, mac: [u8; 6]) -> io::Result<()> {
     let mut req = ifreq();
     // SAFETY: an all-zero sockaddr is valid; the family and the first six data bytes are set.
     let mut hw: libc::sockaddr = unsafe { std::mem::zeroed() };
@@ -137,7 +140,7 @@ pub fn set_mac(mac: [u8; 6]) -> io::Result<()> {
         *d = b as libc::c_char;
     }
     req.ifr_ifru.ifru_hwaddr = hw;
-    ioctl(&s4, libc::SIOCSIFHWADDR, &mut req, "SIOCSIFHWADDR eth0")
+    ioctl(s4, libc::SIOCSIFHWADDR, &mut req, "SIOCSIFHWADDR eth0")
 }
 
 /// Gives `eth0` the sandbox's addresses, MTU and default routes through the gateway, as every
@@ -147,7 +150,7 @@ pub fn set_mac(mac: [u8; 6]) -> io::Result<()> {
 pub fn address(mac: Option<[u8; 6]>) -> io::Result<()> {
     let s4 = socket(libc::AF_INET)?;
     if let Some(mac) = mac {
-        set_mac(mac)?;
+        set_mac_with(&s4, mac)?;
         let _ = std::fs::write("/proc/sys/net/ipv6/conf/eth0/accept_dad", "0");
     }
     let mut req = ifreq();
@@ -180,7 +183,8 @@ pub fn address(mac: Option<[u8; 6]>) -> io::Result<()> {
     ioctl(&s4, libc::SIOCADDRT, &mut rt, "SIOCADDRT default via 10.0.2.1")?;
 
     // IPv6: TUN devices are NOARP, so the address skips duplicate detection and is usable at
-    // once (an Ethernet one had it turned off above). A host with IPv6 disabled gets an IPv4-only sandbox rather than a failed one.
+    // once (an Ethernet one had it turned off above). A host with IPv6 disabled gets an
+    // IPv4-only sandbox rather than a failed one.
     let s6 = match socket(libc::AF_INET6) {
         Ok(s) => s,
         Err(e) => {
