@@ -177,6 +177,31 @@ def test_gvisor_memory_bomb_ends_the_whole_sandbox(gv):
     assert gv.run_code("'unaffected'").text == "unaffected"
 
 
+def start_processes(sbx):
+    """The pids of the template's start command (the interpreter's server), tagged `start`."""
+    pids = sorted(p.pid for p in sbx.commands.list() if p.tag == "start")
+    assert pids, "the interpreter's server runs as the `start` process"
+    return pids
+
+
+@needs_runsc
+def test_gvisor_interpreter_keeps_its_kernel_across_a_pause():
+    # Its own sandbox: the module's is not paused under the other tests. runsc checkpoints the
+    # whole sandbox to disk, the interpreter's loopback sockets with it.
+    sbx = create("gvisor", 300)
+    try:
+        assert sbx.run_code("kept = 40").error is None
+        before = start_processes(sbx)
+        assert len(before) == 1
+        assert sbx.pause()
+        sbx.connect()
+        assert sbx.run_code("kept + 2").text == "42", "the kernel's variables survive the pause"
+        assert start_processes(sbx) == before, "a resume with memory must not start the template's service again"
+    finally:
+        sbx.kill()
+    assert gone(sbx.sandbox_id)
+
+
 def _cmdline(pid):
     try:
         with open(f"/proc/{pid}/cmdline", errors="replace") as f:
@@ -199,6 +224,13 @@ def test_vm_interpreter_value_and_state():
         assert ex.text != platform.release() and "cloud-amd64" in ex.text, ex.text
         assert sbx.run_code("kept = 20", timeout=120).error is None
         assert sbx.run_code("kept + 1", timeout=120).text == "21"
+        # Paused with its memory to disk and resumed: the same kernel holds `kept`, and the
+        # interpreter's server is the one from before (not started a second time).
+        before = start_processes(sbx)
+        assert sbx.pause()
+        sbx.connect(timeout=600)
+        assert sbx.run_code("kept + 2", timeout=120).text == "22"
+        assert start_processes(sbx) == before
     finally:
         sbx.kill()
     assert gone(sbx.sandbox_id)

@@ -487,6 +487,45 @@ def test_a_gvisor_sandbox_with_a_network_policy_pauses_in_place():
         sbx.kill()
 
 
+ASYNCIO_SERVER = """
+import asyncio
+async def answer(reader, writer):
+    await reader.read(1024)
+    writer.write(b"HTTP/1.0 200 OK\\r\\ncontent-length: 7\\r\\n\\r\\nasyncio")
+    await writer.drain()
+    writer.close()
+async def main():
+    server = await asyncio.start_server(answer, "127.0.0.1", 8001)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+@needs_runsc
+def test_a_gvisor_sandbox_whose_server_runsc_cannot_save_pauses_in_place():
+    """This runsc ends a sandbox whose checkpoint meets a TCP socket watched by epoll (asyncio,
+    node, most servers). Such a sandbox must not be lost to a pause: the agent says so first,
+    and it is frozen in place; its server answers after the resume."""
+    r = httpx.post(f"{API_URL}/sandboxes", headers=HEADERS, json={"templateID": "base", "tier": "gvisor", "timeout": 120}, timeout=60)
+    assert r.status_code == 201, r.text
+    sbx = Sandbox.connect(r.json()["sandboxID"])
+    sid = sbx.sandbox_id
+    try:
+        sbx.files.write("/tmp/server.py", ASYNCIO_SERVER)
+        sbx.commands.run("python3 /tmp/server.py", background=True)
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8001"}
+        assert wait_http(BASE_URL + "/", headers).text == "asyncio"
+        running = runsc_processes(sid)
+        assert sbx.pause()
+        assert httpx.get(f"{API_URL}/sandboxes/{sid}", headers=HEADERS).json()["pauseMode"] == "full"
+        assert runsc_processes(sid) == running, "frozen in place: the same runsc processes"
+        assert not glob.glob(f"{STATE_DIR}/paused/{sid}.mem")
+        sbx.connect()
+        assert wait_http(BASE_URL + "/", headers).text == "asyncio", "the server answers after the resume"
+    finally:
+        sbx.kill()
+
+
 def test_a_filesystem_paused_sandbox_survives_a_restart():
     srv = Serve()
     srv.start()

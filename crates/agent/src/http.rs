@@ -105,6 +105,17 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
                 .unwrap_or_else(|_| Response::new(Body::empty())),
             _ => method_not_allowed("GET"),
         },
+        crate::SAVEABLE_PATH => match *req.method() {
+            Method::GET => {
+                let found = tokio::task::spawn_blocking(crate::saveable::blocker).await.ok().flatten();
+                let (status, body) = match found {
+                    None => (StatusCode::NO_CONTENT, Body::empty()),
+                    Some(why) => (StatusCode::CONFLICT, Body::full(why)),
+                };
+                Response::builder().status(status).body(body).unwrap_or_else(|_| Response::new(Body::empty()))
+            }
+            _ => method_not_allowed("GET"),
+        },
         "/envs" => match *req.method() {
             Method::GET => {
                 let map: std::collections::BTreeMap<&str, &str> =

@@ -33,6 +33,7 @@ mod process_rpc;
 mod pty;
 mod reaper;
 mod rpc;
+mod saveable;
 mod users;
 mod watch;
 mod xattr;
@@ -190,6 +191,10 @@ pub enum LinkEnd {
 /// cannot send it.
 pub const PARK_REQUEST: &[u8; 16] = b"\0cordon-park-v1\n";
 pub use park::{await_parked, await_resume, PARKED, RESUME};
+
+/// The host asks here, before it checkpoints a gvisor sandbox, whether its processes can be
+/// saved: 204 when they can, 409 with the reason as text when not (see `saveable.rs`).
+pub const SAVEABLE_PATH: &str = "/cordon/saveable";
 
 /// An agent that outlives its link: the guest's PID 1 serves one session per host connection
 /// (a VM that is saved and restored gets a new one), with one process table throughout.

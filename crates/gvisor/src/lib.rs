@@ -325,9 +325,24 @@ impl Sandbox {
     }
 
     /// Whether [`Sandbox::checkpoint`] can save it: not with host networking (an egress
-    /// policy), whose sockets are the host's and cannot be written to a file.
+    /// policy), whose sockets are the host's and cannot be written to a file, nor while a
+    /// process waits on a TCP socket through epoll, which this runsc cannot save (its
+    /// checkpoint then ends the sandbox): the agent looks (see `cordon-agent`'s `saveable`).
     pub fn checkpointable(&self) -> bool {
-        !self.networked && self.link.is_some()
+        if self.networked || self.link.is_none() {
+            return false;
+        }
+        match saveable(&self.socket, SAVEABLE_DEADLINE) {
+            Ok(None) => true,
+            Ok(Some(why)) => {
+                tracing::info!(id = %self.id, "runsc cannot save this sandbox now ({why}): it is paused in place");
+                false
+            }
+            Err(e) => {
+                tracing::info!(id = %self.id, "the agent did not say whether the sandbox can be saved ({e}): it is paused in place");
+                false
+            }
+        }
     }
 
     /// Runs `runsc <args> <id>` on this sandbox's runsc state, in its network namespace: runsc
@@ -354,7 +369,8 @@ impl Sandbox {
             return Ok(());
         }
         let said = String::from_utf8_lossy(&out.stderr);
-        Err(GvisorError::Setup(format!("runsc {}: {}", args[0], said.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("failed"))))
+        tracing::debug!(id = %self.id, stderr = %said, "runsc {} failed", args[0]);
+        Err(GvisorError::Setup(format!("runsc {}: {}", args[0], runsc_reason(&said))))
     }
 
     /// Saves the running sandbox, every process and its memory, into `dir` (made here, 0700)
@@ -565,4 +581,58 @@ fn health(socket: &Path, timeout: Duration) -> io::Result<bool> {
     }
     let _ = s.as_raw_fd();
     Ok(head.starts_with(b"HTTP/1.1 204"))
+}
+
+/// How long the agent has to say whether its sandbox can be saved.
+const SAVEABLE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Asks the agent whether runsc can save the sandbox now: `None` when it can, else the agent's
+/// reason (a 409 and its text).
+fn saveable(socket: &Path, timeout: Duration) -> io::Result<Option<String>> {
+    let mut s = std::os::unix::net::UnixStream::connect(socket)?;
+    s.set_read_timeout(Some(timeout))?;
+    write!(s, "GET {} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n", cordon_agent::SAVEABLE_PATH)?;
+    let mut answer = Vec::new();
+    // The agent's answer is a status line, a few headers and at most a line of text.
+    s.take(64 << 10).read_to_end(&mut answer)?;
+    let answer = String::from_utf8_lossy(&answer);
+    if answer.starts_with("HTTP/1.1 204") {
+        return Ok(None);
+    }
+    match (answer.starts_with("HTTP/1.1 409"), answer.split_once("\r\n\r\n")) {
+        (true, Some((_, body))) => Ok(Some(body.trim().chars().take(200).collect())),
+        _ => Err(io::Error::new(io::ErrorKind::InvalidData, format!("unexpected answer: {}", answer.lines().next().unwrap_or("")))),
+    }
+}
+
+/// The line of a failed runsc's stderr that says why: a Go panic's message (its last lines are
+/// a stack trace), else the last line.
+fn runsc_reason(stderr: &str) -> String {
+    let mut lines = stderr.lines().map(str::trim).filter(|l| !l.is_empty());
+    let line = lines.clone().find(|l| l.starts_with("panic:") || l.starts_with("fatal error:") || l.contains(" failed: ")).or_else(|| lines.next_back()).unwrap_or("failed");
+    // A save error names the object it failed on with the object's whole state: keep what
+    // comes before and after that dump.
+    match (line.find('{'), line.rfind("}: ")) {
+        (Some(open), Some(close)) if close > open => format!("{}{{...}}: {}", &line[..open], line[close + 3..].trim_end_matches(':')),
+        _ => line.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runsc_reason;
+
+    #[test]
+    fn a_failed_save_is_told_without_its_object_dump_or_stack() {
+        let stderr = "checkpoint failed: checkpointing container \"c1\": encoding error at object tcp.endpoint{A:b{C:1}, D:2}: endpoint still has waiters upon save:\n\
+            goroutine 608 [running]:\n\
+            panic({0xe7f040, 0x1235dd8})\n\
+            \tgvisor.dev/gvisor/pkg/urpc/urpc.go:451 +0x79\n";
+        assert_eq!(
+            runsc_reason(stderr),
+            "checkpoint failed: checkpointing container \"c1\": encoding error at object tcp.endpoint{...}: endpoint still has waiters upon save"
+        );
+        assert_eq!(runsc_reason("\nsome warning\ncontainer not running\n"), "container not running");
+        assert_eq!(runsc_reason(""), "failed");
+    }
 }

@@ -363,7 +363,8 @@ impl Sandboxes {
             })?;
         let socket = instance.socket_path().to_path_buf();
         let death = instance.death_fd();
-        let start_command = instance.start_command().cloned();
+        // A sandbox restored with its memory has its start command's service running already.
+        let start_command = instance.start_command().filter(|_| spec.restore.is_none()).cloned();
         let slowdown = instance.slowdown();
         let entry = Arc::new(LiveSandbox {
             id: spec.id.clone(),

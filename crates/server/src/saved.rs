@@ -294,10 +294,18 @@ impl Saved {
     }
 
     /// Deletes a resumed sandbox's record, and its saved memory (the sandbox runs on a copy).
+    /// The delete runs after the answer: the directory is first renamed to a name no record can
+    /// have (so a next pause of the same sandbox writes afresh, and a server that dies meanwhile
+    /// deletes it at its next start, as any directory no record names).
     pub async fn forget_resumed(&self, r: &Record) {
         self.forget(&r.id);
         if let Some(dir) = self.kept_dir(r) {
-            let _ = tokio::task::spawn_blocking(move || fs::remove_dir_all(dir)).await;
+            let gone = self.dir.join(format!(".gone-{}-{}", r.id, unix_ms(SystemTime::now())));
+            let doomed = match fs::rename(&dir, &gone) {
+                Ok(()) => gone,
+                Err(_) => dir,
+            };
+            tokio::task::spawn_blocking(move || fs::remove_dir_all(doomed));
         }
     }
 

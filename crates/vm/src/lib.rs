@@ -339,6 +339,7 @@ impl VmTier {
         let handshake = start_handshake(cfg, start, &mut plan, &mut spec, &mut passed)?;
         let handshake_kind = match handshake {
             Handshake::Template => HandshakeKind::Template,
+            Handshake::Resumed(_) => HandshakeKind::Resumed,
             _ => HandshakeKind::Agent,
         };
         let (cmd, con_r) = self.vmm_command(&spec, plan)?;
@@ -367,15 +368,23 @@ impl VmTier {
         vm.pid = pid;
         vm.pidfd = Some(cordon_host::sys::pidfd_open(pid).map_err(io_err("pidfd_open VMM"))?);
         vm.write_record()?;
-        if matches!(handshake_kind, HandshakeKind::Template) {
+        match handshake_kind {
             // A template is done booting when its guest asks for the config.
-            match ready_rx.recv_timeout(BOOT_DEADLINE) {
+            HandshakeKind::Template => match ready_rx.recv_timeout(BOOT_DEADLINE) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => return Err(VmError::Boot(format!("the template guest: {e}; console: {}", vm.console_tail()))),
                 Err(_) => return Err(VmError::Boot(format!("the template guest did not ask for its config; console: {}", vm.console_tail()))),
-            }
-        } else {
-            vm.wait_ready(BOOT_DEADLINE)?;
+            },
+            // A resumed guest's agent is the one that parked: answering its wake (it took the
+            // config and the time) shows it runs again. The sandbox's first health check is the
+            // caller's (the server makes one before it serves any sandbox); a second one here
+            // cost a round trip on every resume.
+            HandshakeKind::Resumed => match ready_rx.recv_timeout(BOOT_DEADLINE) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(VmError::Boot(format!("the resumed guest did not answer its wake: {e}; console: {}", vm.console_tail()))),
+                Err(_) => return Err(VmError::Boot(format!("the resumed guest did not answer its wake; console: {}", vm.console_tail()))),
+            },
+            HandshakeKind::Agent => vm.wait_ready(BOOT_DEADLINE)?,
         }
         tracing::debug!(id = %cfg.id, elapsed = ?t.elapsed(), "VM ready");
         Ok(vm)
@@ -529,8 +538,11 @@ enum Start {
     Template,
 }
 
+/// How [`VmTier::boot`] knows a VM is up: its template guest asked for the config, a resumed
+/// guest answered its wake, or the agent answered a health check.
 enum HandshakeKind {
     Template,
+    Resumed,
     Agent,
 }
 
@@ -647,7 +659,13 @@ fn vm_thread(
         let said = match handshake {
             Handshake::Fresh(cfg) => link_handshake::await_ready(&mut host_end).and_then(|()| link_handshake::send(&mut host_end, &cfg)),
             Handshake::Restored(cfg) => link_handshake::send(&mut host_end, &cfg),
-            Handshake::Resumed(cfg) => link_handshake::resume(&mut host_end, &cfg),
+            Handshake::Resumed(cfg) => {
+                let r = link_handshake::resume(&mut host_end, &cfg);
+                // The start waits for this (a later wake of the same VM is waited for through
+                // `Vm::wake`: nobody reads it then, hence `try_send`).
+                let _ = ready.try_send(r.as_ref().map(|_| ()).map_err(|e| io::Error::new(e.kind(), e.to_string())));
+                r
+            }
             Handshake::Template => {
                 let r = link_handshake::await_ready(&mut host_end);
                 let failed = r.is_err();
