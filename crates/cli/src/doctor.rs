@@ -127,7 +127,7 @@ fn attach_check(layout: &cordon_host::Layout) -> Option<Finding> {
     } else {
         Finding::warn(
             "cgroup moves",
-            format!("{ms:.1} ms per process moved into a sandbox's cgroup, paid by every sandbox start (the kernel waits for an RCU grace period)"),
+            format!("{ms:.1} ms per process moved into a sandbox's cgroup, paid by every gvisor and vm start (the kernel waits for an RCU grace period; ns sandboxes are born in theirs)"),
             "mount -o remount,favordynmods on the cgroup hierarchies (kernel 6.0+; host-wide: cheaper moves, slightly dearer fork and exit)",
         )
     })

@@ -227,7 +227,7 @@ impl Gvisor {
             rootfs: &rootfs,
             disk: &disk,
             disk_bytes: cfg.limits.disk_bytes,
-            cgroup_procs: sb.cgroup.procs_files(),
+            cgroup_procs: sb.cgroup.join_files(),
             netns: netns.as_ref().map(|n| n.ns.as_raw_fd()),
             restore: cfg.restore.as_deref(),
         };

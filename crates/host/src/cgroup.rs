@@ -181,9 +181,24 @@ impl Cgroup {
         Ok(())
     }
 
-    /// The `cgroup.procs` files a process writes its pid to in order to join every group.
-    pub fn procs_files(&self) -> Vec<PathBuf> {
-        self.unified.iter().chain(self.v1.iter().map(|(_, d)| d)).map(|d| d.join("cgroup.procs")).collect()
+    /// The files a single-threaded process (a child between fork and exec) writes "0" to in
+    /// order to join every group: the unified group's `cgroup.procs`, and each v1 group's
+    /// `tasks`, which moves the calling thread without the threadgroup lock (and the RCU grace
+    /// period its writer waits for) that a `cgroup.procs` write takes.
+    pub fn join_files(&self) -> Vec<PathBuf> {
+        self.unified.iter().map(|d| d.join("cgroup.procs")).chain(self.v1_tasks_files()).collect()
+    }
+
+    /// The unified (v2) group's directory, where the host has that hierarchy: a process can be
+    /// born in it (clone3 with `CLONE_INTO_CGROUP`) rather than moved.
+    pub fn unified_dir(&self) -> Option<&Path> {
+        self.unified.as_deref()
+    }
+
+    /// The v1 groups' `tasks` files: a single-threaded process that writes "0" to one moves
+    /// itself there without the threadgroup lock a `cgroup.procs` write waits for.
+    pub fn v1_tasks_files(&self) -> Vec<PathBuf> {
+        self.v1.iter().map(|(_, d)| d.join("tasks")).collect()
     }
 
     fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
@@ -422,7 +437,7 @@ mod tests {
         assert_eq!(cg.unified.as_deref(), Some(Path::new("/sys/fs/cgroup/unified/cordon/abc")));
         assert!(!cg.v2_limits);
         assert_eq!(cg.v1[0].1, Path::new("/sys/fs/cgroup/memory/cordon/abc"));
-        assert_eq!(cg.procs_files().len(), 2);
+        assert_eq!(cg.join_files().len(), 2);
     }
 
     #[test]
@@ -512,7 +527,7 @@ mod tests {
         assert!(l.describe().starts_with("hybrid: v1 memory pids cpu + v2 at "), "{}", l.describe());
         let cg = Cgroup::plan(&l, "sb");
         assert!(!cg.v2_limits);
-        assert_eq!(cg.procs_files().len(), 4);
+        assert_eq!(cg.join_files().len(), 4);
         fs::remove_dir_all(&root).unwrap();
     }
 

@@ -45,7 +45,7 @@ impl Drop for Loop {
 /// A busy loop moved into `cg`.
 fn busy_in(cg: &Cgroup) -> Loop {
     let child = Command::new("sh").args(["-c", "while :; do :; done"]).spawn().expect("spawn sh");
-    for f in cg.procs_files() {
+    for f in cg.join_files() {
         std::fs::write(&f, child.id().to_string()).unwrap_or_else(|e| panic!("join {}: {e}", f.display()));
     }
     Loop(child)

@@ -47,7 +47,10 @@ pub struct JailerConfig {
     pub socket: PathBuf,
     pub uid_base: u32,
     pub uid_count: u32,
-    pub cgroup_procs: Vec<PathBuf>,
+    /// The sandbox's cgroup v2 group, if the host has the unified hierarchy.
+    pub cgroup_unified: Option<PathBuf>,
+    /// Its v1 groups' `tasks` files (see [`enter_cgroups`]).
+    pub cgroup_v1_tasks: Vec<PathBuf>,
     pub disk_bytes: u64,
     pub nofile: u64,
     /// Bytes the agent reads from [`CONFIG_FD`]; sent raw after the JSON line, not inside it.
@@ -93,6 +96,10 @@ pub enum JailerReply {
         notify_fd: Option<i32>,
         #[serde(default)]
         tun_fd: Option<i32>,
+        /// The process holding `notify_fd` and `tun_fd`: the jailer's copy born in the
+        /// sandbox's cgroup (see [`enter_cgroups`]), else the jailer itself.
+        #[serde(default)]
+        holder: Option<i32>,
     },
     Failed { error: String },
 }
@@ -115,7 +122,7 @@ pub fn main() -> ! {
                     let tun_fd = tun.as_ref().map(|t| t.as_raw_fd());
                     keep.extend(listener);
                     keep.extend(tun);
-                    JailerReply::Ready { pid, phases, landlock, notify_fd, tun_fd }
+                    JailerReply::Ready { pid, phases, landlock, notify_fd, tun_fd, holder: Some(std::process::id() as i32) }
                 }
                 Err(e) => JailerReply::Failed { error: e.to_string() },
             },
@@ -134,6 +141,42 @@ pub fn main() -> ! {
     std::process::exit(if ok { 0 } else { 1 })
 }
 
+/// Puts the jailer, and so everything it starts, in the sandbox's cgroups without the wait a
+/// move costs. A write to `cgroup.procs` takes the kernel's threadgroup lock, whose writer waits
+/// for an RCU grace period (5-10 ms on this machine kind, on every start; `cordon doctor`'s
+/// `cgroup moves`). So the unified group is entered by being born in it: the jailer clones
+/// itself with `CLONE_INTO_CGROUP`, the copy goes on and replies, and the original waits for it
+/// and exits with its status. A v1 group is entered by writing "0" to its `tasks`, which moves
+/// the calling thread only (all of the single-threaded jailer) and takes no such lock. A kernel
+/// without clone3 or `CLONE_INTO_CGROUP` (before 5.7) gets the `cgroup.procs` write.
+fn enter_cgroups(cfg: &JailerConfig) -> io::Result<()> {
+    let join = |file: &std::path::Path| fs::write(file, "0").map_err(|e| io::Error::new(e.kind(), format!("join cgroup {}: {e}", file.display())));
+    if let Some(dir) = &cfg.cgroup_unified {
+        // SAFETY: the jailer is single-threaded (a fresh exec that starts no threads).
+        match unsafe { sys::fork_into_cgroup(dir) } {
+            Ok(0) => {}
+            Ok(copy) => exit_as(copy),
+            Err(e) => {
+                tracing::debug!("{e}: joining by cgroup.procs");
+                join(&dir.join("cgroup.procs"))?;
+            }
+        }
+    }
+    for tasks in &cfg.cgroup_v1_tasks {
+        join(tasks)?;
+    }
+    Ok(())
+}
+
+/// The original jailer's end after [`enter_cgroups`]: waits for its copy and exits as it did.
+fn exit_as(copy: libc::pid_t) -> ! {
+    let mut status = 0;
+    // SAFETY: waiting for our own child, with a valid status pointer.
+    let r = unsafe { libc::waitpid(copy, &mut status, 0) };
+    let code = if r == copy && libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { 1 };
+    std::process::exit(code)
+}
+
 struct Ready {
     pid: i32,
     phases: Vec<(String, u64)>,
@@ -146,10 +189,7 @@ fn run(cfg: &JailerConfig) -> io::Result<Ready> {
     let t0 = std::time::Instant::now();
     let mut phases = Vec::new();
     let mut mark = |name: &str| phases.push((name.to_string(), t0.elapsed().as_micros() as u64));
-    for procs in &cfg.cgroup_procs {
-        fs::write(procs, "0").map_err(|e| io::Error::new(e.kind(), format!("join cgroup {}: {e}", procs.display())))?;
-    }
-
+    enter_cgroups(cfg)?;
     mark("cgroups joined");
     // Bound before the network namespace exists: a Unix socket belongs to the namespace it was
     // made in, and the sandbox's /proc/net/unix lists its own namespace's sockets with their
@@ -388,9 +428,9 @@ pub(crate) fn spawn(exe: &std::path::Path, cfg: &JailerConfig) -> io::Result<(Ja
     io::BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
     let reply = serde_json::from_str::<JailerReply>(line.trim());
     let mut taken = Taken::default();
-    if let Ok(JailerReply::Ready { notify_fd, tun_fd, .. }) = &reply {
+    if let Ok(JailerReply::Ready { notify_fd, tun_fd, holder, .. }) = &reply {
         if notify_fd.is_some() || tun_fd.is_some() {
-            let pidfd = sys::pidfd_open(child.id() as i32)?;
+            let pidfd = sys::pidfd_open(holder.unwrap_or(child.id() as i32))?;
             if let Some(fd) = notify_fd {
                 taken.listener = Some(sys::pidfd_getfd(&pidfd, *fd)?);
             }

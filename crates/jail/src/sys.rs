@@ -48,6 +48,46 @@ pub unsafe fn clone_fork(flags: libc::c_int) -> io::Result<libc::pid_t> {
     check(r, "clone").map(|p| p as libc::pid_t)
 }
 
+/// `clone3`'s arguments up to `cgroup` (`CLONE_ARGS_SIZE_VER2`, Linux 5.7).
+#[repr(C)]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+    cgroup: u64,
+}
+
+/// `CLONE_INTO_CGROUP` (include/uapi/linux/sched.h).
+const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+
+/// A fork whose child is born in the cgroup v2 group `dir` (`clone3` with `CLONE_INTO_CGROUP`),
+/// instead of moving there afterwards. Returns 0 in the child.
+///
+/// # Safety
+/// As [`clone_fork`]: the caller must be single-threaded.
+pub unsafe fn fork_into_cgroup(dir: &Path) -> io::Result<libc::pid_t> {
+    let d = cpath(dir)?;
+    // SAFETY: a valid NUL-terminated path; the descriptor is closed below in both processes.
+    let fd = unsafe { libc::open(d.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    check(fd as _, &format!("open {}", dir.display()))?;
+    let mut args = CloneArgs { flags: CLONE_INTO_CGROUP, exit_signal: libc::SIGCHLD as u64, cgroup: fd as u64, ..Default::default() };
+    // SAFETY: `args` is a valid clone_args of the size passed; no stack is given, so the child
+    // continues on a copy-on-write copy of this one, as after fork (the caller is
+    // single-threaded, see above).
+    let r = unsafe { libc::syscall(libc::SYS_clone3, &mut args as *mut CloneArgs, std::mem::size_of::<CloneArgs>()) };
+    // SAFETY: closing the descriptor opened above, in whichever process this is.
+    unsafe { libc::close(fd) };
+    check(r, "clone3 into the sandbox's cgroup").map(|p| p as libc::pid_t)
+}
+
 pub fn unshare(flags: libc::c_int) -> io::Result<()> {
     // SAFETY: unshare takes only an integer and affects the calling thread's namespaces.
     check(unsafe { libc::unshare(flags) } as _, "unshare").map(drop)

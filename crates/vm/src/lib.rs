@@ -317,10 +317,10 @@ impl VmTier {
         listener.set_nonblocking(true).map_err(io_err("agent socket"))?;
 
         let mut plan = self.jail_plan(&vm, prep, &rw, uid)?;
-        let cgroup_files = plan.cgroups(&vm.cgroup.procs_files()).map_err(io_err("open cgroup.procs"))?;
+        let cgroup_files = plan.cgroups(&vm.cgroup.join_files()).map_err(io_err("open cgroup.procs"))?;
         plan.pass_fd(vmm_end.as_raw_fd(), CHANNEL_FD);
         let mut spec = boot_spec(cfg, prep);
-        vm.shares = shares::Shares::start(&cfg.volumes, vm.entry.dir(), uid, &vm.cgroup.procs_files(), &mut plan, &mut spec)?;
+        vm.shares = shares::Shares::start(&cfg.volumes, vm.entry.dir(), uid, &vm.cgroup.join_files(), &mut plan, &mut spec)?;
         // Descriptors the VMM gets for this start, kept open until it has them.
         let mut passed: Vec<OwnedFd> = Vec::new();
         // Every VM has a monitor, the host's only: a template's state is saved through it, and
