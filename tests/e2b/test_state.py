@@ -68,6 +68,15 @@ def hold_64mib(sbx, marker):
     raise AssertionError(f"the process holding 64 MiB did not start ({marker} never appeared)")
 
 
+def assert_deleted_soon(pattern, within=30.0):
+    """What a resume deletes after its answer (its saved memory, renamed to `.gone-*` first) is
+    gone within `within` seconds; the wait is a deadline only."""
+    deadline = time.monotonic() + within
+    while glob.glob(pattern) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert glob.glob(pattern) == [], f"{pattern} is still there {within} s after the resume"
+
+
 def saved_state(sid):
     """What the server keeps on disk of sandbox `sid`: its record and its images."""
     return glob.glob(f"{STATE_DIR}/paused/{sid}.json") + glob.glob(f"{STATE_DIR}/images/*-{sid}-*")
@@ -416,6 +425,7 @@ def test_gvisor_pause_resume_and_fork():
         assert sbx.files.read("/home/user/job").strip() == "done", "a background job must finish after the resume"
         assert host_memory_bytes(sid) >= 64 << 20, "the held memory is back"
         assert glob.glob(mem) == [], "the saved state goes with the resume"
+        assert_deleted_soon(f"{STATE_DIR}/paused/.gone-{sid}-*")
 
         # To files: the writable layer through runsc's mount namespace. (gVisor's statx of this
         # release fails for GNU stat: Python reads the owners and modes.)

@@ -19,7 +19,7 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import SandboxNotFoundException
 
 from conftest import API_KEY, API_URL, BASE_URL, Serve, needs_qemu
-from test_state import STATE_DIR, _kill_mid, hold_64mib, host_memory_bytes, saved_state, wait_http
+from test_state import STATE_DIR, _kill_mid, assert_deleted_soon, hold_64mib, host_memory_bytes, saved_state, wait_http
 
 pytestmark = needs_qemu
 
@@ -90,8 +90,9 @@ def test_vm_memory_pause_frees_the_vmm_and_resumes_the_same_guest():
                 break
             time.sleep(0.1)
         assert sbx.files.read("/home/user/job").strip() == "done", "a background job must finish after the resume"
-        # Its saved memory went with the resume.
+        # Its saved memory went with the resume: out of the way at once, deleted after the answer.
         assert glob.glob(f"{STATE_DIR}/paused/{sid}.mem") == []
+        assert_deleted_soon(f"{STATE_DIR}/paused/.gone-{sid}-*")
         assert sbx.pause() is True
     finally:
         sbx.kill()
