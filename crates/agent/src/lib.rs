@@ -1,7 +1,7 @@
 //! `cordon-agent`: the init process of every sandbox. It serves the E2B envd protocol —
 //! Connect services `process.Process` and `filesystem.Filesystem`, plus HTTP `/files` and
-//! `/health` — over a Unix socket that only the host can reach, and reaps every orphan of the
-//! sandbox as PID 1.
+//! `/health` — and one cordon question of the host's ([`SAVEABLE_PATH`]) over a Unix socket that
+//! only the host can reach, and reaps every orphan of the sandbox as PID 1.
 //!
 //! The host starts it with `CORDON_AGENT_CONFIG_FD` (a descriptor carrying an [`AgentConfig`],
 //! see [`encode_config`]) and either `CORDON_AGENT_FD` (an inherited, listening `AF_UNIX` socket)
