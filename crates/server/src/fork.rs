@@ -34,7 +34,7 @@ pub async fn fork(sandboxes: &Arc<Sandboxes>, id: &str, count: u32, timeout: Dur
     let saved = sandboxes.saved.as_ref().ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "this server keeps no state: it cannot fork sandboxes").no_retry())?;
     let paused = || ApiError::new(StatusCode::CONFLICT, format!("sandbox '{id}' is paused and cannot be forked; resume it first")).no_retry();
     let (caps, checkpointable) = match sandboxes.get(id) {
-        Some(e) => (sandboxes.capabilities(e.tier), e.with_instance(false, |i| i.checkpointable())),
+        Some(e) => (sandboxes.capabilities(e.tier), e.checkpointable().await),
         None if saved.get(id).is_some() => return Err(paused()),
         None => return Err(ApiError::not_found(format!("sandbox {id} not found"))),
     };
@@ -106,7 +106,12 @@ async fn fork_through_pause(sandboxes: &Arc<Sandboxes>, saved: &crate::saved::Sa
     let left = end.duration_since(std::time::SystemTime::now()).unwrap_or_default().max(Duration::from_secs(1));
     drop(e);
     crate::pause::pause(sandboxes, id, true, false).await?;
-    let record = saved.get(id).ok_or_else(|| ApiError::internal(format!("sandbox {id} was paused for the fork but its record is gone")))?;
+    let Some(record) = saved.get(id) else {
+        // Frozen in place instead (what runs in it could no longer be saved, see
+        // `Sandbox::checkpointable`): it goes on, and the fork is refused.
+        let _ = crate::pause::resume(sandboxes, id, left).await;
+        return Err(ApiError::internal(format!("sandbox {id} could not be saved for the fork; it runs on")));
+    };
     let dir = saved.memory_dir(&record).ok_or_else(|| ApiError::internal(format!("sandbox {id} was paused without its memory")))?;
     let req = NewSandbox { restore: Some(dir), own_image: None, ..record.new_sandbox(timeout) };
     let owns = record.owns();

@@ -148,7 +148,7 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
     let caps = sandboxes.capabilities(e.tier);
     // Saved to disk where the tier can save this sandbox (the VM's memory, gVisor's kernel),
     // which frees its memory; else frozen in place.
-    if memory && caps.checkpoint && e.with_instance(false, |i| i.checkpointable()) {
+    if memory && caps.checkpoint && e.checkpointable().await {
         let saved = sandboxes.saved.as_ref().ok_or_else(|| unsupported("this server keeps no state: it cannot save a sandbox's memory to disk".into()))?;
         saved.check_budget(e.memory_current().unwrap_or(0) + e.disk_usage().map_or(0, |(used, _)| used))?;
         let record = pause_ending(sandboxes, &e, saved.pause_with_memory(&e)).await?;

@@ -110,6 +110,13 @@ impl LiveSandbox {
         self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_deref().map_or(default, f)
     }
 
+    /// Whether its tier can save it to disk now, asked on a blocking thread: a tier may ask the
+    /// sandbox itself (gvisor asks its agent whether runsc can save what runs).
+    pub async fn checkpointable(self: &Arc<Self>) -> bool {
+        let e = self.clone();
+        tokio::task::spawn_blocking(move || e.with_instance(false, |i| i.checkpointable())).await.unwrap_or(false)
+    }
+
     pub fn memory_current(&self) -> Option<u64> {
         self.with_instance(None, |i| i.memory_current())
     }

@@ -431,7 +431,7 @@ impl Saved {
         let _turn = e.transition.lock().await;
         self.still_running(sandboxes, id, &e, &paused)?;
         let not_found = || ApiError::not_found(format!("sandbox {id} not found"));
-        if !e.with_instance(false, |i| i.checkpointable()) {
+        if !e.checkpointable().await {
             return Err(unsaveable(&e));
         }
         self.check_budget(e.memory_current().unwrap_or(0))?;
