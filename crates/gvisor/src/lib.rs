@@ -567,20 +567,7 @@ impl Drop for Sandbox {
 
 /// One `GET /health` over the socket: true on 204.
 fn health(socket: &Path, timeout: Duration) -> io::Result<bool> {
-    let mut s = std::os::unix::net::UnixStream::connect(socket)?;
-    s.set_read_timeout(Some(timeout.max(Duration::from_millis(10))))?;
-    s.write_all(b"GET /health HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")?;
-    let mut head = [0u8; 12];
-    let mut got = 0;
-    while got < head.len() {
-        let n = s.read(&mut head[got..])?;
-        if n == 0 {
-            return Ok(false);
-        }
-        got += n;
-    }
-    let _ = s.as_raw_fd();
-    Ok(head.starts_with(b"HTTP/1.1 204"))
+    Ok(ask_agent(socket, "/health", timeout.max(Duration::from_millis(10)))?.starts_with("HTTP/1.1 204"))
 }
 
 /// How long the agent has to say whether its sandbox can be saved.
@@ -589,13 +576,7 @@ const SAVEABLE_DEADLINE: Duration = Duration::from_secs(5);
 /// Asks the agent whether runsc can save the sandbox now: `None` when it can, else the agent's
 /// reason (a 409 and its text).
 fn saveable(socket: &Path, timeout: Duration) -> io::Result<Option<String>> {
-    let mut s = std::os::unix::net::UnixStream::connect(socket)?;
-    s.set_read_timeout(Some(timeout))?;
-    write!(s, "GET {} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n", cordon_agent::SAVEABLE_PATH)?;
-    let mut answer = Vec::new();
-    // The agent's answer is a status line, a few headers and at most a line of text.
-    s.take(64 << 10).read_to_end(&mut answer)?;
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = ask_agent(socket, cordon_agent::SAVEABLE_PATH, timeout)?;
     if answer.starts_with("HTTP/1.1 204") {
         return Ok(None);
     }
@@ -603,6 +584,18 @@ fn saveable(socket: &Path, timeout: Duration) -> io::Result<Option<String>> {
         (true, Some((_, body))) => Ok(Some(body.trim().chars().take(200).collect())),
         _ => Err(io::Error::new(io::ErrorKind::InvalidData, format!("unexpected answer: {}", answer.lines().next().unwrap_or("")))),
     }
+}
+
+/// The agent's whole answer to `GET path` on its socket, asked before any multiplexed client
+/// exists (a plain HTTP/1.1 exchange the agent closes). Its answers to these are a status line,
+/// a few headers and at most a line of text.
+fn ask_agent(socket: &Path, path: &str, timeout: Duration) -> io::Result<String> {
+    let mut s = std::os::unix::net::UnixStream::connect(socket)?;
+    s.set_read_timeout(Some(timeout))?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")?;
+    let mut answer = Vec::new();
+    s.take(64 << 10).read_to_end(&mut answer)?;
+    Ok(String::from_utf8_lossy(&answer).into_owned())
 }
 
 /// The line of a failed runsc's stderr that says why: a Go panic's message (its last lines are

@@ -29,9 +29,9 @@ pub struct Egress(Option<cordon_net::Egress>);
 impl Egress {
     /// Serves a new sandbox's link (its TUN device or its VM's frames, if it has one) on a
     /// forwarder thread of its own, whose CPU counts against `limits.cpus`: in the sandbox's
-    /// `cgroup` where that can take a host thread (v1), on a budget of its own otherwise. `gateways` are the sandbox's
-    /// gateway addresses, where DNS is answered; `upstream` where names resolve and how
-    /// injection rules are served.
+    /// `cgroup` where that can take a host thread (v1), on a budget of its own otherwise.
+    /// `gateways` are the sandbox's gateway addresses, where DNS is answered; `upstream` where
+    /// names resolve and how injection rules are served.
     pub fn start(
         link: Option<Link>,
         policy: &NetworkPolicy,

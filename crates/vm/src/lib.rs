@@ -368,23 +368,23 @@ impl VmTier {
         vm.pid = pid;
         vm.pidfd = Some(cordon_host::sys::pidfd_open(pid).map_err(io_err("pidfd_open VMM"))?);
         vm.write_record()?;
-        match handshake_kind {
-            // A template is done booting when its guest asks for the config.
-            HandshakeKind::Template => match ready_rx.recv_timeout(BOOT_DEADLINE) {
+        // A template is done booting when its guest asks for the config. A resumed guest's
+        // agent is the one that parked: answering its wake (it took the config and the time)
+        // shows it runs again; the sandbox's first health check is the caller's (the server
+        // makes one before it serves any sandbox), and a second one here cost a round trip on
+        // every resume.
+        let awaited = match handshake_kind {
+            HandshakeKind::Template => Some("the template guest did not ask for its config"),
+            HandshakeKind::Resumed => Some("the resumed guest did not answer its wake"),
+            HandshakeKind::Agent => None,
+        };
+        match awaited {
+            Some(what) => match ready_rx.recv_timeout(BOOT_DEADLINE) {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(VmError::Boot(format!("the template guest: {e}; console: {}", vm.console_tail()))),
-                Err(_) => return Err(VmError::Boot(format!("the template guest did not ask for its config; console: {}", vm.console_tail()))),
+                Ok(Err(e)) => return Err(VmError::Boot(format!("{what}: {e}; console: {}", vm.console_tail()))),
+                Err(_) => return Err(VmError::Boot(format!("{what}; console: {}", vm.console_tail()))),
             },
-            // A resumed guest's agent is the one that parked: answering its wake (it took the
-            // config and the time) shows it runs again. The sandbox's first health check is the
-            // caller's (the server makes one before it serves any sandbox); a second one here
-            // cost a round trip on every resume.
-            HandshakeKind::Resumed => match ready_rx.recv_timeout(BOOT_DEADLINE) {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(VmError::Boot(format!("the resumed guest did not answer its wake: {e}; console: {}", vm.console_tail()))),
-                Err(_) => return Err(VmError::Boot(format!("the resumed guest did not answer its wake; console: {}", vm.console_tail()))),
-            },
-            HandshakeKind::Agent => vm.wait_ready(BOOT_DEADLINE)?,
+            None => vm.wait_ready(BOOT_DEADLINE)?,
         }
         tracing::debug!(id = %cfg.id, elapsed = ?t.elapsed(), "VM ready");
         Ok(vm)
