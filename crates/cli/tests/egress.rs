@@ -181,6 +181,7 @@ fn allowed_domain_with_python_urllib_http_and_https(tier: Tier) {
 }
 
 fn unlisted_domain_fails_and_is_audited(tier: Tier) {
+    let _pip = PIP_ALONE.lock().unwrap_or_else(|e| e.into_inner());
     let inet = internet();
     let mark = inet.mark();
     let r = net_on(tier, &["allowed.test"], &[], &format!("{CURL} http://other.test/; echo rc=$?"));
@@ -231,6 +232,7 @@ fn names_match_case_insensitively(tier: Tier) {
 }
 
 fn raw_ip_connect_to_an_unlisted_address_fails(tier: Tier) {
+    let _pip = PIP_ALONE.lock().unwrap_or_else(|e| e.into_inner());
     let inet = internet();
     let mark = inet.mark();
     let r = net_on(tier, &["allowed.test"], &[], &format!("{CURL} http://{OTHER_V4}/; echo rc=$?"));
@@ -356,6 +358,7 @@ fn allowed_name_resolving_to_the_hosts_own_address_is_refused() {
 }
 
 fn sni_naming_an_allowed_host_while_dialling_another_ip_reaches_only_the_allowed_host(tier: Tier) {
+    let _pip = PIP_ALONE.lock().unwrap_or_else(|e| e.into_inner());
     let inet = internet();
     let mark = inet.mark();
     let r = net_on(tier, &["allowed.test"], &[], &format!("{CURL} -k --resolve allowed.test:443:{OTHER_V4} https://allowed.test/"));
@@ -366,6 +369,7 @@ fn sni_naming_an_allowed_host_while_dialling_another_ip_reaches_only_the_allowed
 
 #[test]
 fn http_host_header_decides_not_the_dialled_address() {
+    let _pip = PIP_ALONE.lock().unwrap_or_else(|e| e.into_inner());
     require_root!();
     let inet = internet();
     let mark = inet.mark();
@@ -716,7 +720,9 @@ fn the_forwarder_holds_itself_to_the_sandboxs_cpus_where_no_cgroup_can_take_it()
 /// pip against the test index, with no proxy variables; one try, so a refused host fails fast.
 const PIP: &str = "pip install -q --disable-pip-version-check --no-cache-dir --retries 0 --timeout 8 \
      --index-url https://pypi.test/simple --trusted-host pypi.test --trusted-host files.pypi.test tinypkg";
-/// The pip tests read each other's hosts in the servers' log: one at a time.
+/// The pip tests read each other's hosts in the servers' log: one at a time. They reach
+/// OTHER_V4 for real (files.pypi.test), so the tests that find OTHER_V4 nowhere in the log
+/// take it too.
 static PIP_ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn pip_installs_from_an_allowed_index_with_files_on_a_wildcard_host(tier: Tier) {
@@ -777,6 +783,7 @@ fn git_clones_over_https_from_an_allowed_host_and_not_otherwise(tier: Tier) {
 /// takes another host's address as its own. None of it opens anything: every packet still ends
 /// at the forwarder, which decides by the policy alone and answers DNS only itself.
 fn guest_root_rewiring_its_network_reaches_nothing_more(tier: Tier) {
+    let _pip = PIP_ALONE.lock().unwrap_or_else(|e| e.into_inner());
     let inet = internet();
     let _shared = QUIET.read().unwrap_or_else(|e| e.into_inner());
     let mark = inet.mark();
