@@ -118,11 +118,14 @@ async fn route(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
         },
         "/envs" => match *req.method() {
             Method::GET => {
-                let map: std::collections::BTreeMap<&str, &str> =
-                    agent.config.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                let map: std::collections::BTreeMap<String, String> = agent.env().into_iter().collect();
                 json(StatusCode::OK, &map)
             }
             _ => method_not_allowed("GET"),
+        },
+        "/init" => match *req.method() {
+            Method::POST => crate::init::handle(agent, req).await,
+            _ => method_not_allowed("POST"),
         },
         "/files" => match *req.method() {
             Method::GET | Method::HEAD => files::download(agent, req).await,

@@ -1,7 +1,8 @@
 //! `cordon-agent`: the init process of every sandbox. It serves the E2B envd protocol —
-//! Connect services `process.Process` and `filesystem.Filesystem`, plus HTTP `/files` and
-//! `/health` — and one cordon question of the host's ([`SAVEABLE_PATH`]) over a Unix socket that
-//! only the host can reach, and reaps every orphan of the sandbox as PID 1.
+//! Connect services `process.Process` and `filesystem.Filesystem`, plus HTTP `/files`, `/health`
+//! and `/init` (the host gives a sandbox started ahead of its create that create's `envVars`) —
+//! and one cordon question of the host's ([`SAVEABLE_PATH`]) over a Unix socket that only the
+//! host can reach, and reaps every orphan of the sandbox as PID 1.
 //!
 //! The host starts it with `CORDON_AGENT_CONFIG_FD` (a descriptor carrying an [`AgentConfig`],
 //! see [`encode_config`]) and either `CORDON_AGENT_FD` (an inherited, listening `AF_UNIX` socket)
@@ -27,6 +28,7 @@ mod files;
 mod filesystem;
 mod forward;
 mod http;
+mod init;
 pub mod park;
 mod process;
 mod process_rpc;
@@ -121,11 +123,24 @@ pub struct AgentConfig {
 /// State shared by all connections of one agent.
 pub(crate) struct Agent {
     pub config: AgentConfig,
+    /// The sandbox-level environment: `config.env`, then what `POST /init` merged in.
+    env: std::sync::RwLock<Vec<(String, String)>>,
     pub processes: Arc<process::Processes>,
     pub watchers: watch::Watchers,
 }
 
 impl Agent {
+    /// The sandbox-level environment now (see [`AgentConfig::env`]).
+    pub fn env(&self) -> Vec<(String, String)> {
+        self.env.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Merges a create's `envVars` into it (see `init.rs`).
+    pub fn merge_env(&self, add: std::collections::BTreeMap<String, String>) {
+        let mut env = self.env.write().unwrap_or_else(|p| p.into_inner());
+        *env = init::merged(std::mem::take(&mut *env), add);
+    }
+
     /// A fresh snapshot of the user database.
     pub fn users(&self) -> users::UserDb {
         users::UserDb::load(&self.config.root)
@@ -150,6 +165,7 @@ fn start_agent(config: AgentConfig) -> std::io::Result<Arc<Agent>> {
     reaper::global().listen()?;
     Ok(Arc::new(Agent {
         processes: Arc::new(process::Processes::new(command_scope::Scope::prepare(config.isolate_commands))),
+        env: std::sync::RwLock::new(config.env.clone()),
         config,
         watchers: watch::Watchers::default(),
     }))

@@ -56,7 +56,7 @@ fn selector(sel: Option<ProcessSelector>) -> Result<ProcessSelector, ConnectErro
     sel.ok_or_else(|| ConnectError::invalid_argument("a process selector (pid or tag) is required"))
 }
 
-fn valid_env_key(k: &str) -> bool {
+pub(crate) fn valid_env_key(k: &str) -> bool {
     !k.is_empty() && !k.contains('=') && !k.contains('\0')
 }
 
@@ -80,9 +80,8 @@ fn start(agent: &Arc<Agent>, req: StartRequest, ctx: CallCtx, tx: StreamTx) -> R
         Err(_) => return Err(ConnectError::invalid_argument(format!("cwd '{}' does not exist", cwd.display()))),
     }
 
-    let path = agent
-        .config
-        .env
+    let sandbox_env = agent.env();
+    let path = sandbox_env
         .iter()
         .rev()
         .find(|(k, _)| k == "PATH")
@@ -97,7 +96,7 @@ fn start(agent: &Arc<Agent>, req: StartRequest, ctx: CallCtx, tx: StreamTx) -> R
         // Interactive shells need a terminal type; the sandbox or request env may override it.
         env.push(("TERM".to_string(), "xterm-256color".to_string()));
     }
-    env.extend(agent.config.env.iter().cloned());
+    env.extend(sandbox_env);
     for (k, v) in &config.envs {
         if !valid_env_key(k) || v.contains('\0') {
             return Err(ConnectError::invalid_argument(format!("invalid environment variable {k:?}")));

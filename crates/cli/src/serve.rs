@@ -72,6 +72,15 @@ pub struct ServeArgs {
     /// verified against, instead of this host's trust store.
     #[arg(long = "upstream-ca", value_name = "FILE")]
     upstream_ca: Option<std::path::PathBuf>,
+    /// Keep N sandboxes of TEMPLATE (on TIER; ns when left out) started and idle, so that a
+    /// create that matches is a hand-over (repeatable): e.g. --pool base=8 --pool
+    /// code-interpreter-v1=2. The pools refill in the background.
+    #[arg(long = "pool", value_name = "TEMPLATE[:TIER]=N")]
+    pool: Vec<String>,
+    /// Most memory the waiting pooled sandboxes may use together, e.g. 4G; a pool stops
+    /// refilling at it. Default: a quarter of the host's memory.
+    #[arg(long, value_name = "SIZE", requires = "pool")]
+    pool_memory: Option<String>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -90,6 +99,11 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     }
     let state_budget = a.state_budget.as_deref().map(cordon_spec::parse_size).transpose().map_err(|e| usage(format!("--state-budget: {}", e.reason)))?;
     let volume_size = cordon_spec::parse_size(&a.volume_size).map_err(|e| usage(format!("--volume-size: {}", e.reason)))?;
+    let pools = pool_configs(&a.pool)?;
+    let pool_memory = match a.pool_memory.as_deref() {
+        Some(s) => cordon_spec::parse_size(s).map_err(|e| usage(format!("--pool-memory: {}", e.reason)))?,
+        None => host_memory() / 4,
+    };
     let paused_ttl = cordon_spec::parse_duration(&a.paused_ttl).map_err(|e| usage(format!("--paused-ttl: {}", e.reason)))?;
     if let Some(d) = &a.domain {
         if !cordon_server::tls::valid_domain(d) {
@@ -158,6 +172,11 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
             tracing::info!(tier = %t, "tier not available: {e}");
         }
     }
+    for p in &pools {
+        if let Err(e) = tiers.backend(p.tier) {
+            return Err(usage(format!("--pool {}:{}={}: {e}", p.template, p.tier, p.size)));
+        }
+    }
     let backend = tiers;
     // Paused sandboxes and snapshots outlive the server: they are read back here.
     let volumes = Arc::new(cordon_server::volumes::VolumeApi::open(state.dir(), volume_size).context("open the volume store")?);
@@ -174,6 +193,16 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     let domain = a.domain.clone();
     let builder = crate::template_build::TemplateBuilder { host: state.host(None), store: state.images()?, registry, network: build_network };
     let templates = cordon_server::templates::Templates::open(state.dir(), state.images()?, Arc::new(builder)).context("open the template records")?;
+    for p in &pools {
+        let image = templates.resolve(&p.template).unwrap_or_else(|| p.template.clone());
+        if cordon_sandbox::image::lookup(&store, &image).is_err() {
+            return Err(usage(format!(
+                "--pool {}: no such template: give a recipe ({}), an image of `cordon image ls`, or a template built through the API",
+                p.template,
+                cordon_image::recipes().join(", ")
+            )));
+        }
+    }
     let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds), templates: Some(Arc::new(templates)), volumes: Some(volumes), secrets: Some(secrets) });
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -188,11 +217,35 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
             None => eprintln!("cordon serve: listening on {scheme}://{addr} (E2B_API_URL={scheme}://{addr} E2B_SANDBOX_URL={scheme}://{addr})"),
         }
         tracing::info!(addr = %a.listen, max_sandboxes = a.max_sandboxes, network_default = %network_default, "serving");
+        if !pools.is_empty() {
+            cordon_server::pool::Pools::start(&app, pools, pool_memory);
+        }
         cordon_server::serve(listener, app, shutdown()).await?;
         tracing::info!("stopped");
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(0)
+}
+
+/// The `--pool` flags, each once per template and tier.
+fn pool_configs(flags: &[String]) -> Result<Vec<cordon_server::pool::PoolConfig>> {
+    let mut pools: Vec<cordon_server::pool::PoolConfig> = Vec::new();
+    for f in flags {
+        let p: cordon_server::pool::PoolConfig = f.parse().map_err(|e: cordon_server::pool::PoolConfigError| usage(e.to_string()))?;
+        if pools.iter().any(|q| q.template == p.template && q.tier == p.tier) {
+            return Err(usage(format!("--pool {f}: {}:{} has a pool already: give each template and tier once", p.template, p.tier)));
+        }
+        pools.push(p);
+    }
+    Ok(pools)
+}
+
+/// The host's memory in bytes (MemTotal), or 4 GiB when it cannot be read.
+fn host_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().find_map(|l| l.strip_prefix("MemTotal:").and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())))
+        .map_or(4 << 30, |kb| kb << 10)
 }
 
 /// `--prebuild NAME`: a recipe built (or found built), a registry reference pulled, or an

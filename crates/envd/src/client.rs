@@ -303,6 +303,22 @@ impl EnvdClient {
         Ok(bytes)
     }
 
+    /// `POST /init` with the sandbox-level `envVars` of a create (envd's own call, made by the
+    /// host alone): the agent merges them into every later command's environment.
+    pub async fn init(&self, env_vars: &std::collections::BTreeMap<String, String>) -> Result<()> {
+        let body = serde_json::to_vec(&serde_json::json!({ "envVars": env_vars })).map_err(|e| Error::Protocol(e.to_string()))?;
+        let req = Self::request(Method::POST, "/init", Some(CONTENT_TYPE_JSON), None)?
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let status = resp.status();
+        let bytes = read_body(resp.into_body(), MAX_MESSAGE).await?;
+        if !status.is_success() {
+            return Err(Error::Rpc(ConnectError::from_response(status.as_u16(), &bytes)));
+        }
+        Ok(())
+    }
+
     /// `GET /health`: succeeds on any 2xx.
     pub async fn health(&self) -> Result<()> {
         let req = Self::request(Method::GET, "/health", None, None)?

@@ -175,10 +175,7 @@ impl Gvisor {
         }
         // From here on, dropping `sb` on any error undoes every step taken so far.
         sb.write_record()?;
-        let mut host_limits = cfg.limits.clone();
-        host_limits.memory_bytes += MEMORY_OVERHEAD;
-        host_limits.pids = host_limits.pids.saturating_mul(PIDS_PER_TASK).saturating_add(PIDS_OVERHEAD);
-        sb.cgroup.create(&host_limits).map_err(io_err("create cgroups"))?;
+        sb.cgroup.create(&host_limits(&cfg.limits)).map_err(io_err("create cgroups"))?;
 
         let rootfs = sb.entry.dir().join("rootfs");
         let disk = sb.entry.dir().join("disk");
@@ -496,6 +493,10 @@ impl HostSandbox for Sandbox {
         &self.cgroup
     }
 
+    fn set_limits(&self, limits: &cordon_spec::Limits) -> std::io::Result<()> {
+        self.cgroup.set_limits(&host_limits(limits))
+    }
+
     /// Kills every process of the sandbox now: runsc, its gofer and gVisor's kernel.
     fn kill(&self) {
         self.cgroup.kill();
@@ -571,6 +572,15 @@ fn health(socket: &Path, timeout: Duration) -> io::Result<bool> {
 }
 
 /// How long the agent has to say whether its sandbox can be saved.
+/// The caps of a sandbox's cgroups: its own, plus what runsc, the gofer and gVisor's kernel
+/// take of them.
+fn host_limits(limits: &cordon_spec::Limits) -> cordon_spec::Limits {
+    let mut host = limits.clone();
+    host.memory_bytes += MEMORY_OVERHEAD;
+    host.pids = host.pids.saturating_mul(PIDS_PER_TASK).saturating_add(PIDS_OVERHEAD);
+    host
+}
+
 const SAVEABLE_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Asks the agent whether runsc can save the sandbox now: `None` when it can, else the agent's

@@ -181,6 +181,36 @@ impl Cgroup {
         Ok(())
     }
 
+    /// Rewrites the memory and CPU caps of groups already made (a pooled sandbox given the caps
+    /// of the create that took it). The pids cap and the TCP buffer cap's size stay as made.
+    pub fn set_limits(&self, limits: &Limits) -> io::Result<()> {
+        if let Some(u) = self.unified.as_ref().filter(|_| self.v2_limits) {
+            write(&u.join("memory.max"), &limits.memory_bytes.to_string())?;
+            write(&u.join("cpu.max"), &format!("{} {PERIOD_US}", limits.cpu_quota_us(PERIOD_US)))?;
+        }
+        for (c, dir) in &self.v1 {
+            match c.as_str() {
+                "memory" => {
+                    // v1 keeps memory <= memory+swap at every step: raise the pair from the top,
+                    // lower it from the bottom.
+                    let memsw = dir.join("memory.memsw.limit_in_bytes");
+                    let mem = dir.join("memory.limit_in_bytes");
+                    let value = limits.memory_bytes.to_string();
+                    let now: u64 = fs::read_to_string(&mem).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+                    let order = if limits.memory_bytes > now { [&memsw, &mem] } else { [&mem, &memsw] };
+                    for f in order {
+                        if f.exists() {
+                            write(f, &value)?;
+                        }
+                    }
+                }
+                "cpu" => write(&dir.join("cpu.cfs_quota_us"), &limits.cpu_quota_us(PERIOD_US).to_string())?,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// The files a single-threaded process (a child between fork and exec) writes "0" to in
     /// order to join every group: the unified group's `cgroup.procs`, and each v1 group's
     /// `tasks`, which moves the calling thread without the threadgroup lock (and the RCU grace

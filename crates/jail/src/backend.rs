@@ -10,7 +10,7 @@ use cordon_spec::{NetworkPolicy, Tier};
 use crate::Jail;
 
 /// What ns sandboxes support: all of it.
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: true, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: false, checkpoint_keeps_running: false, keep_disk: false, volumes: true };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: true, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: false, checkpoint_keeps_running: false, keep_disk: false, volumes: true, set_limits: true };
 
 /// The tier table's row for ns.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Ns, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };

@@ -39,6 +39,8 @@ pub struct Capabilities {
     pub keep_disk: bool,
     /// Binds volumes (`SandboxSpec::volumes`) into a sandbox.
     pub volumes: bool,
+    /// A running sandbox's memory and CPU caps can be rewritten ([`Sandbox::set_limits`]).
+    pub set_limits: bool,
 }
 
 impl Capabilities {

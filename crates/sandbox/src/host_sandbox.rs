@@ -36,6 +36,11 @@ pub trait HostSandbox: Send {
     fn writable_layer(&self) -> Option<crate::WritableLayer> {
         None
     }
+    /// Rewrites its memory and CPU caps (see [`Sandbox::set_limits`]): the cgroups' by default;
+    /// a tier whose own processes share the group adds their share first.
+    fn set_limits(&self, limits: &cordon_spec::Limits) -> std::io::Result<()> {
+        self.cgroup().set_limits(limits)
+    }
     /// Whether [`HostSandbox::checkpoint`] can save this sandbox.
     fn checkpointable(&self) -> bool {
         false
@@ -116,6 +121,10 @@ impl<S: HostSandbox> Sandbox for HostBacked<S> {
 
     fn writable_layer(&self) -> Option<crate::WritableLayer> {
         self.sandbox.writable_layer()
+    }
+
+    fn set_limits(&self, limits: &cordon_spec::Limits) -> Result<(), Error> {
+        self.sandbox.set_limits(limits).map_err(|e| Error::failed("set the sandbox's limits", e))
     }
 
     fn checkpointable(&self) -> bool {

@@ -112,6 +112,12 @@ pub trait Sandbox: Send {
     fn keep_disk(&mut self, _dir: &Path) -> Result<(), Error> {
         Err(Error::Unavailable("this tier cannot keep a sandbox's disk".into()))
     }
+    /// Rewrites the memory and CPU caps of the running sandbox (a pooled sandbox given the caps
+    /// of the create that took it). Tiers whose caps are fixed when it starts (a VM's memory)
+    /// refuse.
+    fn set_limits(&self, _limits: &cordon_spec::Limits) -> Result<(), Error> {
+        Err(Error::Unavailable("this tier cannot change a running sandbox's limits".into()))
+    }
     /// Whether [`Sandbox::checkpoint`] can save this sandbox (a tier with
     /// [`crate::Capabilities::checkpoint`] may still not save some of its sandboxes: gvisor
     /// with host networking); a pause with memory then freezes it in place where the tier can.

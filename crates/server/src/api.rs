@@ -26,9 +26,9 @@ pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
 const MAX_LIMIT: usize = 100;
 
 /// Resource defaults when a create names none: the same caps as `cordon run`.
-const DEFAULT_CPUS: u32 = 1;
-const DEFAULT_MEMORY_MB: u64 = cordon_spec::DEFAULT_MEMORY >> 20;
-const DEFAULT_DISK_MB: u64 = cordon_spec::DEFAULT_DISK >> 20;
+pub(crate) const DEFAULT_CPUS: u32 = 1;
+pub(crate) const DEFAULT_MEMORY_MB: u64 = cordon_spec::DEFAULT_MEMORY >> 20;
+pub(crate) const DEFAULT_DISK_MB: u64 = cordon_spec::DEFAULT_DISK >> 20;
 
 pub async fn handle(app: &Arc<App>, req: Request<Incoming>) -> Response<Body> {
     match route(app, req).await {
@@ -80,6 +80,7 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
             snapshot(app, &id, req).await
         }
         (&Method::GET, false, ["snapshots"]) => snapshots(app, req.uri().query()),
+        (&Method::GET, false, ["pools"]) => Ok(pools(app)),
         (&Method::POST, false, ["sandboxes", id, "fork"]) => {
             let id = id.to_string();
             fork(app, &id, req).await
@@ -372,6 +373,13 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
         (Err(err), _, _) => return Err(err),
     };
     Ok(json_response(StatusCode::CREATED, &sandbox_json(&entry, app.domain.as_deref())))
+}
+
+/// cordon's extension `GET /pools`: each warm pool's size, waiting and starting sandboxes,
+/// hand-overs and misses, and the memory its waiting sandboxes use (see [`crate::pool`]).
+fn pools(app: &Arc<App>) -> Response<Body> {
+    let v = app.sandboxes.pools.get().map_or_else(|| json!({ "memoryBudgetBytes": 0, "pools": [] }), |p| p.json());
+    json_response(StatusCode::OK, &v)
 }
 
 pub(crate) fn iso(t: SystemTime) -> String {

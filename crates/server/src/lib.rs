@@ -21,6 +21,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod network;
 pub mod pause;
+pub mod pool;
 pub mod port_token;
 pub mod proxy;
 pub mod query;

@@ -227,7 +227,7 @@ pub async fn resume(sandboxes: &Arc<Sandboxes>, id: &str, timeout: Duration) -> 
     let mut req = record.new_sandbox(timeout);
     req.restore = saved.memory_dir(&record);
     req.disk_from = saved.disk_dir(&record);
-    let who = Identity { id: record.id.clone(), token: record.token.clone(), traffic_token: record.traffic_token.clone() };
+    let who = Identity { id: record.id.clone(), token: record.token.clone(), traffic_token: record.traffic_token.clone(), new: false };
     match sandboxes.create_as(req, who).await {
         Ok(e) => {
             saved.forget_resumed(&record).await;

@@ -26,6 +26,9 @@ use crate::agent_link::{ask_forward, ProxyError, FORWARD_PREFIX};
 use crate::registry::LiveSandbox;
 use crate::{port_token, App, Body, ENVD_PORT};
 
+/// envd's `POST /init`, which only the host calls.
+pub const INIT_PATH: &str = "/init";
+
 /// Wakes a sandbox paused to disk with its memory whose lifecycle lets traffic wake it, for a
 /// request that may wake it: `/health`, or one with its envd token or traffic token (or any,
 /// to a public port). The request is then checked in full against the running sandbox, as any
@@ -78,7 +81,9 @@ pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incomi
             Ok(Grant::Signed(file)) => file.bind(&mut req),
             Ok(Grant::Open | Grant::Token) => {}
         }
-        if req.uri().path().starts_with(FORWARD_PREFIX) {
+        // The host's own endpoints of the agent: port forwarding, and `/init`, by which the host
+        // gives a sandbox its create's environment (see `crate::pool`).
+        if req.uri().path().starts_with(FORWARD_PREFIX) || req.uri().path() == INIT_PATH {
             return ApiError::not_found("no such envd endpoint").into_response();
         }
     } else {

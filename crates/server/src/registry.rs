@@ -190,11 +190,14 @@ pub struct Identity {
     pub id: String,
     pub token: String,
     pub traffic_token: String,
+    /// A new sandbox, which may take a pooled sandbox's id; false for one that must keep its
+    /// id (a resume).
+    pub new: bool,
 }
 
 impl Identity {
     pub fn fresh() -> Identity {
-        Identity { id: cordon_sandbox::new_id(), token: auth::new_access_token(), traffic_token: auth::new_access_token() }
+        Identity { id: cordon_sandbox::new_id(), token: auth::new_access_token(), traffic_token: auth::new_access_token(), new: true }
     }
 }
 
@@ -211,6 +214,8 @@ pub struct Sandboxes {
     envd_version: String,
     /// The egress CA networked sandboxes trust, when the server can inject headers.
     egress_ca: std::sync::OnceLock<String>,
+    /// The warm pools (`--pool`), once the server has made them.
+    pub(crate) pools: std::sync::OnceLock<Arc<crate::pool::Pools>>,
 }
 
 /// A slot under the concurrency limit, held while a create runs.
@@ -229,7 +234,7 @@ impl Sandboxes {
 
     /// A registry that can pause sandboxes to disk and snapshot them, through `saved`.
     pub fn with_saved(backend: Arc<dyn Backend>, max: usize, envd_version: String, saved: Option<crate::saved::Saved>) -> Arc<Sandboxes> {
-        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new() })
+        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new(), pools: std::sync::OnceLock::new() })
     }
 
     /// Makes every networked sandbox trust the egress CA (its certificate, PEM), so that
@@ -327,15 +332,13 @@ impl Sandboxes {
         self.create_as(req, Identity::fresh()).await
     }
 
-    /// Creates a sandbox that is `who` (a new one, or a saved one resumed) and returns once its
-    /// agent answers.
-    pub async fn create_as(self: &Arc<Self>, req: NewSandbox, who: Identity) -> Result<Arc<LiveSandbox>, ApiError> {
-        let _slot = self.reserve()?;
+    /// The spec of `req`'s sandbox as `id` (its volumes are added once they are held).
+    pub(crate) fn spec_for(&self, req: &NewSandbox, id: String) -> SandboxSpec {
         // Where the server keeps state and the tier can, every sandbox's files stay readable
         // from the host, so that it can be snapshotted, forked or paused to disk.
         let keep_writable = self.saved.is_some() && self.backend.capabilities(req.tier).keep_writable;
-        let spec = SandboxSpec {
-            id: who.id,
+        SandboxSpec {
+            id,
             tier: req.tier,
             image: req.image.clone(),
             limits: served::limits(req.memory_mb, req.cpu_count, req.disk_mb),
@@ -349,13 +352,14 @@ impl Sandboxes {
             // Every networked sandbox trusts it: rules may come with a later network update.
             egress_ca: self.egress_ca().filter(|_| req.network.is_enabled()).map(str::to_string),
             ..Default::default()
-        };
-        let mut spec = spec;
-        let leases = self.lease_volumes(&req.volume_mounts, req.tier).await?;
-        spec.volumes = leases.iter().map(|(m, _)| m.clone()).collect();
-        let leases: Vec<cordon_volume::Lease> = leases.into_iter().map(|(_, l)| l).collect();
-        let started = Instant::now();
-        let instance = served::create(self.backend.clone(), &spec)
+        }
+    }
+
+    /// Starts `spec`'s sandbox and returns once its agent answers and its template's start
+    /// command is up (not for a sandbox restored with its memory: its service runs already).
+    /// On an error nothing of it is left.
+    pub(crate) async fn start(&self, spec: &SandboxSpec, template: &str) -> Result<Box<dyn Sandbox>, ApiError> {
+        let instance = served::create(self.backend.clone(), spec)
             .await
             .map_err(ApiError::internal)?
             .map_err(|e| {
@@ -369,10 +373,47 @@ impl Sandboxes {
                 }
             })?;
         let socket = instance.socket_path().to_path_buf();
+        if let Err(e) = cordon_envd::EnvdClient::new(socket.clone()).wait_healthy(READY_TIMEOUT).await {
+            destroy_instance(&spec.id, instance).await;
+            return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
+        }
+        if let Some(start) = instance.start_command().filter(|_| spec.restore.is_none()).cloned() {
+            if let Err(e) = crate::start_command::run(&socket, &start, instance.slowdown()).await {
+                destroy_instance(&spec.id, instance).await;
+                tracing::warn!(sandbox = %spec.id, template, "start command failed: {e}");
+                return Err(ApiError::internal(format!("template '{template}': {e}")));
+            }
+        }
+        Ok(instance)
+    }
+
+    /// Creates a sandbox that is `who` (a new one, or a saved one resumed) and returns once its
+    /// agent answers. A new one is taken from a warm pool where one matches (see
+    /// [`crate::pool`]); its id is then the pooled sandbox's own.
+    pub async fn create_as(self: &Arc<Self>, req: NewSandbox, mut who: Identity) -> Result<Arc<LiveSandbox>, ApiError> {
+        let _slot = self.reserve()?;
+        let started = Instant::now();
+        let pooled = match self.pools.get() {
+            Some(pools) if who.new && crate::pool::may_take(&req) => pools.take(&req, self.capabilities(req.tier).set_limits).await,
+            _ => None,
+        };
+        let (spec, instance, leases) = match pooled {
+            Some((spec, instance)) => {
+                who.id = spec.id.clone();
+                (spec, instance, Vec::new())
+            }
+            None => {
+                let mut spec = self.spec_for(&req, who.id.clone());
+                let leases = self.lease_volumes(&req.volume_mounts, req.tier).await?;
+                spec.volumes = leases.iter().map(|(m, _)| m.clone()).collect();
+                let leases: Vec<cordon_volume::Lease> = leases.into_iter().map(|(_, l)| l).collect();
+                let instance = self.start(&spec, &req.template).await?;
+                (spec, instance, leases)
+            }
+        };
+        let socket = instance.socket_path().to_path_buf();
         let death = instance.death_fd();
-        // A sandbox restored with its memory has its start command's service running already.
-        let start_command = instance.start_command().filter(|_| spec.restore.is_none()).cloned();
-        let slowdown = instance.slowdown();
+        let start_command = instance.start_command().cloned();
         let entry = Arc::new(LiveSandbox {
             id: spec.id.clone(),
             tier: req.tier,
@@ -407,19 +448,6 @@ impl Sandboxes {
             volume_mounts: req.volume_mounts,
             volume_leases: Mutex::new(leases),
         });
-        // A create that fails leaves the image it was given to its caller (a resume puts its
-        // record back, a fork or a snapshot's create deletes its own copy): only the instance goes.
-        if let Err(e) = cordon_envd::EnvdClient::new(socket.to_path_buf()).wait_healthy(READY_TIMEOUT).await {
-            destroy(&entry).await;
-            return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
-        }
-        if let Some(start) = &start_command {
-            if let Err(e) = crate::start_command::run(&socket, start, slowdown).await {
-                destroy(&entry).await;
-                tracing::warn!(sandbox = %entry.id, template = %entry.template, "start command failed: {e}");
-                return Err(ApiError::internal(format!("template '{}': {e}", entry.template)));
-            }
-        }
         self.write().insert(entry.id.clone(), entry.clone());
         spawn_metrics(&entry);
         if let Some(fd) = death {
@@ -538,6 +566,9 @@ impl Sandboxes {
 
     /// Destroys everything (shutdown).
     pub async fn destroy_all(&self) {
+        if let Some(pools) = self.pools.get() {
+            pools.close().await;
+        }
         // A sandbox paused with its memory would die with the server: where its files can be
         // kept, it stays paused (to its files) across the restart instead.
         if let Some(saved) = &self.saved {
@@ -590,8 +621,13 @@ pub(crate) async fn destroy(entry: &Arc<LiveSandbox>) {
     // Its volumes are free once it is gone (not while something may still hold the entry).
     let _leases = std::mem::take(&mut *entry.volume_leases.lock().unwrap_or_else(|p| p.into_inner()));
     let instance = entry.instance.lock().unwrap_or_else(|p| p.into_inner()).take();
-    let Some(mut instance) = instance else { return };
-    let id = entry.id.clone();
+    let Some(instance) = instance else { return };
+    destroy_instance(&entry.id, instance).await;
+}
+
+/// Destroys an instance on a blocking thread, logging what goes wrong.
+pub(crate) async fn destroy_instance(id: &str, mut instance: Box<dyn Sandbox>) {
+    let id = id.to_string();
     let result = tokio::task::spawn_blocking(move || instance.destroy()).await;
     match result {
         Ok(Ok(())) => {}
