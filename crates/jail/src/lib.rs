@@ -346,7 +346,12 @@ impl HostSandbox for Sandbox {
                 tracing::warn!(path = %w.display(), error = %e, "cannot release a writable layer");
             }
         }
-        self.slot.take();
+        // Emptied: every process that ran under its uids is gone, so its range is ours to reuse
+        // at once (see `Slot::release_emptied`).
+        match self.slot.take() {
+            Some(slot) if emptied => slot.release_emptied(),
+            other => drop(other),
+        }
         if !emptied {
             return Err(JailError::Setup(format!("sandbox {} did not die within 5 s", self.id)));
         }
