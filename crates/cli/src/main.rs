@@ -11,8 +11,10 @@ mod doctor;
 mod dockerfile;
 mod image_cmd;
 mod inject;
+mod inspect;
 mod mcp;
 mod preflight;
+mod probe;
 mod progress;
 mod run;
 mod serve;
@@ -62,6 +64,10 @@ enum Command {
     SeccompBpf { dir: std::path::PathBuf },
     /// Serve sandboxes as tools to an MCP client (stdio, or streamable HTTP with --http).
     Mcp(mcp::McpArgs),
+    /// Print a sandbox's isolation report from a running server; --verify checks it from inside.
+    Inspect(inspect::InspectArgs),
+    /// Print what this sandbox looks like from within, as JSON (run it inside a sandbox).
+    Probe,
 }
 
 /// An error the user caused (bad flag, unknown image): exit code 2.
@@ -116,6 +122,11 @@ fn main() -> ExitCode {
         Command::VmBootArgs => vm::boot_args(&state),
         Command::SeccompBpf { dir } => seccomp_bpf(&dir),
         Command::Mcp(a) => mcp::main(&state, a),
+        Command::Inspect(a) => inspect::main(a),
+        Command::Probe => {
+            println!("{}", probe::report());
+            Ok(0)
+        }
     };
     match result {
         Ok(code) => ExitCode::from(code),

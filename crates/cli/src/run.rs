@@ -79,6 +79,10 @@ pub struct RunArgs {
     /// Print a final JSON record (exit code, reason, duration, peak memory) as the last line of stdout.
     #[arg(long)]
     json: bool,
+    /// Print the sandbox's isolation report (what confined it, measured on the host as the
+    /// command ended; the README's schema) as one JSON line on stderr.
+    #[arg(long)]
+    report: bool,
     /// Run the image's own command (its config's Entrypoint and Cmd); arguments after `--`
     /// then replace Cmd, as with `docker run`.
     #[arg(long)]
@@ -189,7 +193,7 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let started = Instant::now();
     let sandbox = create_sandbox(&rt, backend.as_ref(), &plan.spec)?;
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
-    let end = run_and_destroy(rt, sandbox, &plan, &command, started);
+    let end = run_and_destroy(rt, sandbox, &plan, &command, started, a.report);
 
     let spec = &plan.spec;
     let ended = match end.outcome {
@@ -203,6 +207,9 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     report_reason(reason, spec, &a.timeout);
     if a.audit {
         report_audit(spec, plan.caps, &end.stats);
+    }
+    if let Some(r) = &end.stats.report {
+        eprintln!("{r}");
     }
     if let Err(e) = end.teardown {
         eprintln!("cordon: warning: {e}");
@@ -322,10 +329,12 @@ struct Stats {
     /// `None` where the tier cannot tell (printed as null, never as a 0 that looks measured).
     peak: Option<u64>,
     cpu_usec: Option<u64>,
+    /// The isolation report, with `--report`.
+    report: Option<serde_json::Value>,
 }
 
 /// Drives the command to its end, reads the sandbox's stats, then destroys it and the runtime.
-fn run_and_destroy(rt: tokio::runtime::Runtime, mut sandbox: Box<dyn Sandbox>, plan: &Plan, cmd: &[String], started: Instant) -> End {
+fn run_and_destroy(rt: tokio::runtime::Runtime, mut sandbox: Box<dyn Sandbox>, plan: &Plan, cmd: &[String], started: Instant, report: bool) -> End {
     let outcome = rt.block_on(drive(sandbox.as_ref(), &plan.spec, cmd, &plan.copies));
     let blocked = sandbox.blocked();
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
@@ -341,6 +350,7 @@ fn run_and_destroy(rt: tokio::runtime::Runtime, mut sandbox: Box<dyn Sandbox>, p
         injected: sandbox.injected(),
         peak: sandbox.peak_memory(),
         cpu_usec: sandbox.cpu_usage_usec(),
+        report: report.then(|| cordon_sandbox::report::report(&plan.spec.id, plan.spec.tier, sandbox.as_ref(), &plan.spec.network)),
     };
     let teardown = sandbox.destroy();
     // Flows still open belonged to the sandbox just destroyed: do not wait for them (ipstack

@@ -60,6 +60,7 @@ impl Backend for GvisorBackend {
             egress_ca: spec.trusted_egress_ca().map(str::to_string),
         };
         let mut sandbox = self.gv.create(&cfg).map_err(|e| Error::failed("gvisor tier", e))?;
+        sandbox.set_default_user(&agent_cfg.default_user);
         let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
         let egress = Egress::start(sandbox.take_tun().map(cordon_sandbox::egress::Link::Tun), &spec.network, gateways, cordon_host::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;
         Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }))

@@ -42,17 +42,17 @@ pub struct Bundle<'a> {
 }
 
 /// What the agent needs to start commands as other users, and nothing for the host: gVisor
-/// implements these capabilities inside its own kernel.
-const CAPS: [Capability; 9] = [
-    Capability::Chown,
-    Capability::DacOverride,
-    Capability::Fowner,
-    Capability::Fsetid,
-    Capability::Kill,
-    Capability::Setgid,
-    Capability::Setuid,
-    Capability::Setpcap,
-    Capability::NetBindService,
+/// implements these capabilities inside its own kernel. Each with its number (linux/capability.h).
+const CAPS: [(Capability, u32); 9] = [
+    (Capability::Chown, 0),
+    (Capability::DacOverride, 1),
+    (Capability::Fowner, 3),
+    (Capability::Fsetid, 4),
+    (Capability::Kill, 5),
+    (Capability::Setgid, 6),
+    (Capability::Setuid, 7),
+    (Capability::Setpcap, 8),
+    (Capability::NetBindService, 10),
 ];
 
 fn err(e: impl std::fmt::Display) -> crate::GvisorError {
@@ -69,9 +69,15 @@ fn mount(dest: &str, typ: &str, source: &str, options: &[&str]) -> Result<oci_sp
         .map_err(err)
 }
 
+/// The bounding set of every process of the sandbox (the kernel's hex form), for the isolation
+/// report.
+pub fn bounding() -> String {
+    cordon_host::proc_facts::cap_set(&CAPS.map(|(_, n)| n))
+}
+
 impl Bundle<'_> {
     pub fn spec(&self) -> Result<Spec, crate::GvisorError> {
-        let caps: HashSet<Capability> = CAPS.into_iter().collect();
+        let caps: HashSet<Capability> = CAPS.into_iter().map(|(c, _)| c).collect();
         let capabilities = LinuxCapabilitiesBuilder::default()
             .bounding(caps.clone())
             .effective(caps.clone())

@@ -158,6 +158,7 @@ impl Gvisor {
             key: self.key(&cfg.layers),
             held: Vec::new(),
             torn_down: false,
+            default_user: String::new(),
         };
         if let Some(saved) = &cfg.restore {
             if cfg.tun {
@@ -292,11 +293,18 @@ pub struct Sandbox {
     /// Its runsc processes, held to be reaped at the end (see `cordon_host::sys::reap_all`).
     held: Vec<(libc::pid_t, OwnedFd)>,
     torn_down: bool,
+    /// The user commands run as when they name none, for the isolation report.
+    default_user: String,
 }
 
 impl Sandbox {
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Names the user commands run as by default (the agent's), for the isolation report.
+    pub fn set_default_user(&mut self, user: &str) {
+        self.default_user = user.to_string();
     }
 
     /// The TUN device of a sandbox created with `tun`, once, for the egress forwarder.
@@ -495,6 +503,31 @@ impl HostSandbox for Sandbox {
 
     fn set_limits(&self, limits: &cordon_spec::Limits) -> std::io::Result<()> {
         self.cgroup.set_limits(&host_limits(limits))
+    }
+
+    /// gVisor's kernel holds the sandbox's credentials, mounts and filters; the host sees only
+    /// runsc's own processes.
+    fn tier_facts(&self) -> cordon_sandbox::report::TierFacts {
+        let mut lines = self.key.lines();
+        let version = lines.next().map(str::to_string);
+        let platform = lines.next().and_then(|l| l.strip_prefix("platform ")).map(str::to_string);
+        let runtime = cordon_sandbox::report::Runtime { version, platform, kernel: Some("gVisor's (the sentry)".into()), accelerator: None };
+        let mut f = cordon_sandbox::report::TierFacts::opaque(runtime, "gVisor's kernel holds it, out of the host's sight: `cordon probe` reports it from inside");
+        // What the bundle gives every process: its capabilities (runsc's kernel applies them),
+        // checked from inside by the probe.
+        if !self.default_user.is_empty() {
+            let (bnd, none) = (bundle::bounding(), cordon_host::proc_facts::cap_set(&[]));
+            let root = self.default_user == "root";
+            f.default_user = Some(cordon_sandbox::report::UserCaps {
+                user: self.default_user.clone(),
+                cap_eff: if root { bnd.clone() } else { none.clone() },
+                cap_prm: if root { bnd.clone() } else { none.clone() },
+                cap_amb: none,
+                cap_bnd: bnd,
+            });
+            f.unknown.remove("capabilities.defaultUser");
+        }
+        f
     }
 
     /// Kills every process of the sandbox now: runsc, its gofer and gVisor's kernel.

@@ -105,6 +105,17 @@ fn write(path: &Path, value: &str) -> io::Result<()> {
     fs::write(path, value).map_err(|e| io::Error::new(e.kind(), format!("write {value:?} to {}: {e}", path.display())))
 }
 
+/// A cgroup's limits as its files hold them (`None`: missing, or `max`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CgroupLimits {
+    pub memory_bytes: Option<u64>,
+    pub swap_bytes: Option<u64>,
+    pub pids: Option<u64>,
+    pub cpu_quota_us: Option<u64>,
+    pub cpu_period_us: Option<u64>,
+    pub tcp_memory_bytes: Option<u64>,
+}
+
 impl Cgroup {
     /// The groups this sandbox would use, without creating anything yet.
     pub fn plan(layout: &Layout, id: &str) -> Cgroup {
@@ -179,6 +190,40 @@ impl Cgroup {
             }
         }
         Ok(())
+    }
+
+    /// The limits the groups hold now, read back from their files (v2's unified group where it
+    /// has the controllers, else each v1 controller's).
+    pub fn limits(&self) -> CgroupLimits {
+        let num = |p: PathBuf| -> Option<u64> { fs::read_to_string(p).ok().and_then(|v| v.trim().parse().ok()) };
+        let mut l = CgroupLimits::default();
+        if let Some(u) = self.unified.as_ref().filter(|_| self.v2_limits) {
+            l.memory_bytes = num(u.join("memory.max"));
+            l.swap_bytes = num(u.join("memory.swap.max"));
+            l.pids = num(u.join("pids.max"));
+            if let Ok(cpu) = fs::read_to_string(u.join("cpu.max")) {
+                let mut f = cpu.split_whitespace();
+                l.cpu_quota_us = f.next().and_then(|q| q.parse().ok());
+                l.cpu_period_us = f.next().and_then(|p| p.parse().ok());
+            }
+        }
+        for (c, dir) in &self.v1 {
+            match c.as_str() {
+                "memory" => {
+                    l.memory_bytes = num(dir.join("memory.limit_in_bytes"));
+                    // memsw is memory + swap: the swap allowed is the difference.
+                    l.swap_bytes = num(dir.join("memory.memsw.limit_in_bytes")).zip(l.memory_bytes).map(|(sw, m)| sw.saturating_sub(m));
+                    l.tcp_memory_bytes = num(dir.join("memory.kmem.tcp.limit_in_bytes"));
+                }
+                "pids" => l.pids = num(dir.join("pids.max")),
+                "cpu" => {
+                    l.cpu_quota_us = num(dir.join("cpu.cfs_quota_us"));
+                    l.cpu_period_us = num(dir.join("cpu.cfs_period_us"));
+                }
+                _ => {}
+            }
+        }
+        l
     }
 
     /// Rewrites the memory and CPU caps of groups already made (a pooled sandbox given the caps

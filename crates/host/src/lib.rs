@@ -13,6 +13,7 @@
 pub mod cgroup;
 pub mod ledger;
 pub mod orphans;
+pub mod proc_facts;
 pub mod slots;
 pub mod sys;
 pub mod trust;

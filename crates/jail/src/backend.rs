@@ -97,6 +97,7 @@ impl JailBackend {
             egress_ca: spec.trusted_egress_ca().map(str::to_string),
         };
         let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
+        sandbox.set_default_user(&agent_cfg.default_user);
         let uid_base = sandbox.uid_base();
         let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
         let egress = Egress::start(sandbox.take_tun().map(cordon_sandbox::egress::Link::Tun), &spec.network, gateways, crate::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;

@@ -21,6 +21,12 @@ const KEEP: [u32; 13] = [
     31, // CAP_SETFCAP
 ];
 
+/// The bounding set every command starts with, in the kernel's hex form (`CapBnd:`): the kept
+/// capabilities only (the agent's CAP_SYS_ADMIN, when it has it, is dropped before each exec).
+pub fn command_bounding() -> String {
+    cordon_host::proc_facts::cap_set(&KEEP)
+}
+
 fn last_cap() -> u32 {
     std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
         .ok()

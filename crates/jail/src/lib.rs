@@ -159,6 +159,8 @@ impl Jail {
             tun: None,
             kept_writable: None,
             keeps_writable: false,
+            allow_ptrace: cfg.allow_ptrace,
+            default_user: String::new(),
         };
         // From here on, dropping `sb` on any error undoes every step taken so far.
         let slot = self.slots.acquire().ok_or(JailError::NoSlot(self.slots.capacity()))?;
@@ -254,6 +256,10 @@ pub struct Sandbox {
     kept_writable: Option<PathBuf>,
     /// The writable layer is a host mount in the run directory ([`SandboxConfig::keep_writable`]).
     keeps_writable: bool,
+    /// The filter's settings, for the isolation report.
+    allow_ptrace: bool,
+    /// The user commands run as when they name none, for the isolation report.
+    default_user: String,
 }
 
 impl Sandbox {
@@ -271,6 +277,11 @@ impl Sandbox {
 
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Names the user commands run as by default (the agent's), for the isolation report.
+    pub fn set_default_user(&mut self, user: &str) {
+        self.default_user = user.to_string();
     }
 
     /// Host pid of the sandbox's init (the agent).
@@ -366,6 +377,66 @@ impl HostSandbox for Sandbox {
     /// How much Landlock the kernel enforced (`unknown` if the init never said).
     fn landlock(&self) -> Option<String> {
         Some(self.landlock.map_or("unknown", landlock::Enforced::as_str).to_string())
+    }
+
+    /// Measured on the host from the init's `/proc` entries, except the default user's
+    /// capabilities and the filter's digest, which are what this tier sets (the probe checks
+    /// them from inside).
+    fn tier_facts(&self) -> cordon_sandbox::report::TierFacts {
+        use cordon_host::proc_facts as pf;
+        use cordon_sandbox::report::{Runtime, Seccomp, TierFacts, UserCaps};
+        let release = fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|r| r.trim().to_string());
+        let runtime = Runtime { version: release.clone(), kernel: release.map(|r| format!("{r} (the host's, shared)")), ..Default::default() };
+        let mut f = TierFacts { runtime, ..Default::default() };
+        let pid = self.pid;
+        let mut fact = |field: &'static str, r: io::Result<()>| {
+            if let Err(e) = r {
+                f.unknown.insert(field, format!("cannot read it from the host: {e}"));
+            }
+        };
+        let mut namespaces = None;
+        fact("namespaces", pf::namespaces(pid).map(|n| namespaces = Some(n)));
+        let (mut uid, mut gid) = (None, None);
+        fact("idMaps", pf::id_map(pid, "uid_map").and_then(|u| pf::id_map(pid, "gid_map").map(|g| (uid, gid) = (Some(u), Some(g)))));
+        let mut pid1 = None;
+        fact("capabilities.pid1", pf::Creds::read(pid).map(|c| pid1 = Some(c)));
+        let mut mounts = None;
+        fact("mounts", pf::mounts(pid).map(|m| mounts = Some(m)));
+        f.namespaces = namespaces;
+        (f.uid_map, f.gid_map) = (uid, gid);
+        f.pid1 = pid1;
+        f.mounts = mounts;
+        let bnd = caps::command_bounding();
+        let none = pf::cap_set(&[]);
+        let root = self.default_user == "root";
+        f.default_user = (!self.default_user.is_empty()).then(|| UserCaps {
+            user: self.default_user.clone(),
+            cap_eff: if root { bnd.clone() } else { none.clone() },
+            cap_prm: if root { bnd.clone() } else { none.clone() },
+            cap_amb: none,
+            cap_bnd: bnd,
+        });
+        if f.default_user.is_none() {
+            f.unknown.insert("capabilities.defaultUser", "the sandbox was made without an agent configuration".into());
+        }
+        let sha = |b: &[u8]| -> String {
+            use sha2::Digest;
+            sha2::Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+        };
+        let audit = self.audit.is_some();
+        f.seccomp = Some(Seccomp {
+            sha256: sha(&seccomp::program(self.allow_ptrace, audit)),
+            policy: "crates/jail/seccomp/sandbox.json (built in)".into(),
+            policy_sha256: sha(seccomp::POLICY.as_bytes()),
+            notified: if audit {
+                "every syscall the allowlist denies: the host records it and answers EPERM".into()
+            } else {
+                "none: denied syscalls fail with EPERM at once".into()
+            },
+        });
+        f.landlock = self.landlock.map(|l| l.as_str().to_string());
+        f.masked_proc = Some(rootfs::masked_proc());
+        f
     }
 
     fn writable_layer(&self) -> Option<cordon_sandbox::WritableLayer> {

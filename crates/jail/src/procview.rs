@@ -18,6 +18,11 @@ use std::path::Path;
 const SYNTHESIZED: [(&str, &str); 3] =
     [("cmdline", "proc/cmdline"), ("loadavg", "proc/loadavg"), ("boot_id", "proc/sys/kernel/random/boot_id")];
 
+/// The /proc paths (relative to the root) replaced by synthesized files.
+pub(crate) fn synthesized() -> impl Iterator<Item = &'static str> {
+    SYNTHESIZED.iter().map(|(_, p)| *p)
+}
+
 /// gVisor's answer for the load averages: none measured, and no host figure shown.
 const LOADAVG: &str = "0.00 0.00 0.00 0/0 0\n";
 

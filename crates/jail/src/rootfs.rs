@@ -294,6 +294,15 @@ const MASKED_FILES: [&str; 9] =
 /// Directories of /proc covered by an empty read-only tmpfs. `pressure` holds the host's PSI
 /// figures; without them the sandbox looks like a kernel built without PSI.
 const MASKED_DIRS: [&str; 4] = ["acpi", "asound", "scsi", "pressure"];
+/// The /proc paths a sandbox sees masked (empty) or synthesized instead of the host's, for the
+/// isolation report.
+pub fn masked_proc() -> Vec<String> {
+    let mut v: Vec<String> = MASKED_FILES.iter().chain(MASKED_DIRS.iter()).map(|p| format!("/proc/{p}")).collect();
+    v.extend(crate::procview::synthesized().map(|p| format!("/{p}")));
+    v.sort();
+    v
+}
+
 /// Host-wide knobs that stay readable but not writable.
 const READ_ONLY: [&str; 5] = ["bus", "fs", "irq", "sys", "sysrq-trigger"];
 

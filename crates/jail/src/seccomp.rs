@@ -50,6 +50,19 @@ pub fn apply(allow_ptrace: bool, audit: bool) -> io::Result<Option<OwnedFd>> {
     install(allow, audit)
 }
 
+/// The policy file the programs are compiled from, as built in.
+pub const POLICY: &str = include_str!("../seccomp/sandbox.json");
+
+/// The program [`apply`] installs for these settings, as the kernel's `struct sock_filter` array.
+pub fn program(allow_ptrace: bool, audit: bool) -> Vec<u8> {
+    as_bytes(match (allow_ptrace, audit) {
+        (false, false) => filters::SANDBOX,
+        (true, false) => filters::SANDBOX_PTRACE,
+        (false, true) => filters::SANDBOX_AUDIT,
+        (true, true) => filters::SANDBOX_PTRACE_AUDIT,
+    })
+}
+
 /// The programs [`apply`] installs without auditing, in order, each as the raw `struct
 /// sock_filter` array the kernel takes: for loading the same filter with another runtime
 /// (`bwrap --add-seccomp-fd`), which is how the bench prices the filter on its own.

@@ -41,6 +41,10 @@ pub trait HostSandbox: Send {
     fn set_limits(&self, limits: &cordon_spec::Limits) -> std::io::Result<()> {
         self.cgroup().set_limits(limits)
     }
+    /// What the tier knows of the sandbox's confinement (see [`Sandbox::tier_facts`]).
+    fn tier_facts(&self) -> crate::report::TierFacts {
+        crate::report::TierFacts::opaque(Default::default(), "this tier does not report it")
+    }
     /// Whether [`HostSandbox::checkpoint`] can save this sandbox.
     fn checkpointable(&self) -> bool {
         false
@@ -125,6 +129,22 @@ impl<S: HostSandbox> Sandbox for HostBacked<S> {
 
     fn set_limits(&self, limits: &cordon_spec::Limits) -> Result<(), Error> {
         self.sandbox.set_limits(limits).map_err(|e| Error::failed("set the sandbox's limits", e))
+    }
+
+    fn tier_facts(&self) -> crate::report::TierFacts {
+        self.sandbox.tier_facts()
+    }
+
+    fn cgroup_limits(&self) -> Option<crate::report::CgroupLimits> {
+        let l = self.sandbox.cgroup().limits();
+        Some(crate::report::CgroupLimits {
+            memory_bytes: l.memory_bytes,
+            swap_bytes: l.swap_bytes,
+            pids: l.pids,
+            cpu_quota_us: l.cpu_quota_us,
+            cpu_period_us: l.cpu_period_us,
+            tcp_memory_bytes: l.tcp_memory_bytes,
+        })
     }
 
     fn checkpointable(&self) -> bool {

@@ -14,6 +14,8 @@
 //!   cgroups behind the egress forwarder (ns, gvisor): stats, network and teardown, once.
 //! - [`lifecycle`] holds what long-running front ends share: the agent's readiness timeout and
 //!   the watch on a sandbox's death.
+//! - [`report`] is the isolation report: a tier's facts of a sandbox, what every sandbox has,
+//!   and the comparison with what `cordon probe` sees inside.
 //! - [`image`] is the one "ensure the image" step: a built-in recipe not built yet is built on
 //!   first use, anything else unknown is refused with the list of known templates.
 //!
@@ -28,6 +30,7 @@ mod error;
 pub mod host_sandbox;
 pub mod image;
 pub mod lifecycle;
+pub mod report;
 mod sandbox;
 pub mod served;
 mod tiers;

@@ -118,6 +118,15 @@ pub trait Sandbox: Send {
     fn set_limits(&self, _limits: &cordon_spec::Limits) -> Result<(), Error> {
         Err(Error::Unavailable("this tier cannot change a running sandbox's limits".into()))
     }
+    /// What the tier knows of the sandbox's confinement, for its isolation report (see
+    /// [`crate::report`]); fields it cannot know are left `None` with a reason.
+    fn tier_facts(&self) -> crate::report::TierFacts {
+        crate::report::TierFacts::opaque(Default::default(), "this tier does not report it")
+    }
+    /// The limits its cgroups hold now, where the sandbox is a group of host processes.
+    fn cgroup_limits(&self) -> Option<crate::report::CgroupLimits> {
+        None
+    }
     /// Whether [`Sandbox::checkpoint`] can save this sandbox (a tier with
     /// [`crate::Capabilities::checkpoint`] may still not save some of its sandboxes: gvisor
     /// with host networking); a pause with memory then freezes it in place where the tier can.

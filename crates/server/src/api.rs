@@ -95,6 +95,10 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         }
         (&Method::GET, false, ["sandboxes", id, "metrics"]) => metrics(app, id, req.uri().query()),
         (&Method::GET, false, ["sandboxes", id, "audit"]) => audit(app, id),
+        (&Method::GET, false, ["sandboxes", id, "isolation"]) => {
+            let verify = req.uri().query().is_some_and(|q| q.split('&').any(|kv| kv == "verify=true" || kv == "verify=1"));
+            isolation(app, id, verify).await
+        }
         (&Method::PUT, false, ["sandboxes", id, "network"]) => {
             let id = id.to_string();
             update_network(app, &id, req).await
@@ -645,6 +649,13 @@ fn audit(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
         StatusCode::OK,
         &json!({"sandboxID": e.id, "deniedSyscalls": e.denials(), "blockedConnections": e.blocked(), "injectedHeaders": e.injected()}),
     ))
+}
+
+/// cordon's extension: the sandbox's isolation report, checked from inside with `verify`.
+async fn isolation(app: &Arc<App>, id: &str, verify: bool) -> Result<Response<Body>, ApiError> {
+    let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
+    let v = if verify { crate::isolation::verified(&e).await? } else { crate::isolation::report(&e).await? };
+    Ok(json_response(StatusCode::OK, &v))
 }
 
 /// E2B's `update_network`: the new rules replace the old for new connections (an empty body

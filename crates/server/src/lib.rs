@@ -17,6 +17,7 @@ pub mod auth;
 pub mod error;
 pub mod first_build;
 pub mod fork;
+pub mod isolation;
 pub mod lifecycle;
 pub mod metrics;
 pub mod network;

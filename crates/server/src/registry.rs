@@ -106,7 +106,7 @@ impl LiveSandbox {
     }
 
     /// `f` of the live instance, or `default` once it has been destroyed.
-    pub(crate) fn with_instance<T>(&self, default: T, f: impl FnOnce(&dyn Sandbox) -> T) -> T {
+    pub fn with_instance<T>(&self, default: T, f: impl FnOnce(&dyn Sandbox) -> T) -> T {
         self.instance.lock().unwrap_or_else(|p| p.into_inner()).as_deref().map_or(default, f)
     }
 

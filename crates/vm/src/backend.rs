@@ -53,6 +53,13 @@ struct VmSandbox {
 }
 
 impl cordon_sandbox::Sandbox for VmSandbox {
+    fn tier_facts(&self) -> cordon_sandbox::report::TierFacts {
+        cordon_sandbox::report::TierFacts::opaque(
+            self.vm.runtime(),
+            "the guest's own kernel holds it, out of the host's sight: `cordon probe` reports it from inside",
+        )
+    }
+
     fn socket_path(&self) -> &Path {
         self.vm.socket_path()
     }

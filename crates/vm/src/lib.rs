@@ -412,6 +412,8 @@ impl VmTier {
             key: self.boot_key(cfg, prep)?,
             console: Arc::new(Mutex::new(VecDeque::new())),
             accel: prep.accel.accel,
+            guest_kernel: prep.kit.kernel_version.clone(),
+            vmm_binary: self.vmm.binary().to_path_buf(),
             shares: Default::default(),
             net: None,
             net_mac: cfg.network.as_ref().map(|n| n.mac),
@@ -738,6 +740,9 @@ pub struct Vm {
     key: String,
     console: Arc<Mutex<VecDeque<u8>>>,
     accel: Accel,
+    /// The guest kernel's release and the VMM's binary, for the isolation report.
+    guest_kernel: String,
+    vmm_binary: PathBuf,
     /// The daemons serving its volumes.
     shares: shares::Shares,
     /// The host end of its network link, until [`Vm::take_net_link`].
@@ -816,6 +821,23 @@ impl Vm {
 
     pub fn accel(&self) -> Accel {
         self.accel
+    }
+
+    /// The isolation report's runtime: the VMM's version (its `--version`'s first line), the
+    /// accelerator, the guest kernel.
+    pub fn runtime(&self) -> cordon_sandbox::report::Runtime {
+        let version = std::process::Command::new(&self.vmm_binary)
+            .arg("--version")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).lines().next().map(str::to_string));
+        cordon_sandbox::report::Runtime {
+            version,
+            accelerator: Some(self.accel.as_str().to_string()),
+            kernel: Some(format!("{} (the guest's own)", self.guest_kernel)),
+            platform: None,
+        }
     }
 
     /// A pidfd of the VMM; readable once it has exited.
