@@ -71,7 +71,8 @@ def test_an_ns_sandbox_s_report_matches_its_configuration_the_host_s_proc_and_it
         assert v["noNewPrivs"] == (status_field(status, "NoNewPrivs") == "1")
         assert v["seccomp"]["mode"] == "filter" and status_field(status, "Seccomp") == "2"
         assert len(v["seccomp"]["sha256"]) == 64 and v["seccomp"]["policy"].startswith("crates/jail/seccomp/sandbox.json")
-        assert v["landlock"] in ("full", "partial", "none")
+        assert v["landlock"]["enforced"] in ("full", "partial", "none") and v["landlock"]["rules"], v["landlock"]
+        assert any("tcp: not handled" in r for r in v["landlock"]["rules"]), v["landlock"]
         targets = {(m["target"], m["fstype"]) for m in v["mounts"]}
         assert ("/", "overlay") in targets and ("/proc", "proc") in targets, targets
         assert "/proc/kcore" in v["maskedProc"] and "/proc/sys/kernel/random/boot_id" in v["maskedProc"]
@@ -88,7 +89,7 @@ def test_an_ns_sandbox_s_report_matches_its_configuration_the_host_s_proc_and_it
         out = json.loads(p.stdout)
         assert out["cgroup"] == cg and out["verify"]["differences"] == [], out["verify"]
         checked = set(out["verify"]["checked"])
-        assert {"idMaps.uid", "capabilities.defaultUser.capBnd", "seccomp.mode", "mounts (target and type)", "network.enabled (interfaces besides lo)"} <= checked, checked
+        assert {"idMaps.uid", "capabilities.defaultUser.capBnd", "seccomp.mode", "landlock.abi", "mounts (target and type)", "network.enabled (interfaces besides lo)"} <= checked, checked
         assert out["verify"]["probe"]["hostname"] == sid
 
         # An expectation the sandbox meets passes; an altered one fails, naming the field.
@@ -109,6 +110,8 @@ def test_a_networked_sandbox_s_report_carries_its_policy_and_the_probe_sees_its_
         v = report(sid)
         assert v["network"]["enabled"] is True and v["network"]["allowOut"] == ["203.0.113.7/32"], v["network"]
         assert "net" in v["namespaces"]
+        # A policy of addresses only, not ports: Landlock leaves TCP to the netns and forwarder.
+        assert any("tcp: not handled" in r for r in v["landlock"]["rules"]), v["landlock"]
         p = inspect(sid, "--verify")
         assert p.returncode == 0, p.stderr
         assert "network.enabled (interfaces besides lo)" in json.loads(p.stdout)["verify"]["checked"]

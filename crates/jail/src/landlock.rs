@@ -46,6 +46,31 @@ impl Enforced {
     }
 }
 
+/// The kernel's Landlock ABI version, `None` without Landlock.
+pub fn kernel_abi() -> Option<i64> {
+    // SAFETY: with a NULL attr, size 0 and LANDLOCK_CREATE_RULESET_VERSION this only reports
+    // the ABI version (or an error when Landlock is absent).
+    let v = unsafe { libc::syscall(libc::SYS_landlock_create_ruleset, std::ptr::null::<u8>(), 0usize, 1u32) };
+    (v > 0).then_some(v)
+}
+
+/// What [`apply`] asks of the kernel, in words, for the isolation report.
+pub fn rules(connect_ports: Option<&[(u16, u16)]>) -> Vec<String> {
+    let mut r = vec![
+        "filesystem: every access handled; allowed only beneath the sandbox's own root".to_string(),
+        "filesystem: execute and read of the agent binary, outside that root".to_string(),
+        "scoped: abstract Unix sockets and signals stay within the sandbox".to_string(),
+    ];
+    r.push(match connect_ports {
+        Some(ranges) => {
+            let ports: Vec<String> = ranges.iter().map(|(lo, hi)| if lo == hi { lo.to_string() } else { format!("{lo}-{hi}") }).collect();
+            format!("tcp connect: only to ports {} and 53 (the policy names ports only)", ports.join(", "))
+        }
+        None => "tcp: not handled (the network namespace and the egress forwarder decide)".to_string(),
+    });
+    r
+}
+
 /// Restricts the calling process (and everything it will exec) to the current root. `agent`
 /// is the agent binary, kept executable although it lies outside that root.
 /// `connect_ports`: when set, the only TCP ports `connect` may reach (inclusive ranges).

@@ -160,6 +160,7 @@ impl Jail {
             kept_writable: None,
             keeps_writable: false,
             allow_ptrace: cfg.allow_ptrace,
+            connect_ports: cfg.connect_ports.clone(),
             default_user: String::new(),
         };
         // From here on, dropping `sb` on any error undoes every step taken so far.
@@ -256,8 +257,9 @@ pub struct Sandbox {
     kept_writable: Option<PathBuf>,
     /// The writable layer is a host mount in the run directory ([`SandboxConfig::keep_writable`]).
     keeps_writable: bool,
-    /// The filter's settings, for the isolation report.
+    /// The filter's and Landlock's settings, for the isolation report.
     allow_ptrace: bool,
+    connect_ports: Option<Vec<(u16, u16)>>,
     /// The user commands run as when they name none, for the isolation report.
     default_user: String,
 }
@@ -434,7 +436,11 @@ impl HostSandbox for Sandbox {
                 "none: denied syscalls fail with EPERM at once".into()
             },
         });
-        f.landlock = self.landlock.map(|l| l.as_str().to_string());
+        f.landlock = self.landlock.map(|l| cordon_sandbox::report::Landlock {
+            enforced: l.as_str().to_string(),
+            abi: landlock::kernel_abi(),
+            rules: landlock::rules(self.connect_ports.as_deref()),
+        });
         f.masked_proc = Some(rootfs::masked_proc());
         f
     }

@@ -57,6 +57,18 @@ pub struct Seccomp {
     pub notified: String,
 }
 
+/// Landlock as the sandbox got it.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Landlock {
+    /// How much of the rule set the kernel enforced: `full`, `partial`, `none`.
+    pub enforced: String,
+    /// The kernel's Landlock ABI version (`None`: no Landlock).
+    pub abi: Option<i64>,
+    /// The rules applied, in words.
+    pub rules: Vec<String>,
+}
+
 /// What a tier knows of one of its sandboxes. `unknown` names each field left `None` and why.
 #[derive(Debug, Clone, Default)]
 pub struct TierFacts {
@@ -69,7 +81,7 @@ pub struct TierFacts {
     pub pid1: Option<Creds>,
     pub default_user: Option<UserCaps>,
     pub seccomp: Option<Seccomp>,
-    pub landlock: Option<String>,
+    pub landlock: Option<Landlock>,
     pub mounts: Option<Vec<Mount>>,
     /// `/proc` paths the sandbox sees synthesized or empty instead of the host's.
     pub masked_proc: Option<Vec<String>>,
@@ -201,6 +213,9 @@ pub fn compare(report: &Value, probe: &Value) -> (Vec<String>, Vec<Difference>) 
     let mode = probe["seccomp"].as_str().map_or(Value::Null, |m| json!(match m { "0" => "disabled", "1" => "strict", _ => "filter" }));
     check("seccomp.mode", report["seccomp"]["mode"].clone(), mode);
     check("sandboxID (hostname)", report["sandboxID"].clone(), probe["hostname"].clone());
+    // The kernel's Landlock ABI, where the sandbox may ask it (a negative answer: it may not).
+    let abi = probe["landlock_abi"].as_i64().filter(|v| *v > 0).map_or(Value::Null, |v| json!(v));
+    check("landlock.abi", report["landlock"]["abi"].clone(), abi);
     // A sandbox without network has only loopback; one with a policy has its interface.
     let ifaces = probe["interfaces"].as_array().map(|l| l.iter().filter(|i| i.as_str() != Some("lo")).count());
     check("network.enabled (interfaces besides lo)", report["network"]["enabled"].clone(), ifaces.map_or(Value::Null, |n| json!(n > 0)));
