@@ -307,23 +307,18 @@ impl EnvdClient {
     /// host alone): the agent merges them into every later command's environment.
     pub async fn init(&self, env_vars: &std::collections::BTreeMap<String, String>) -> Result<()> {
         let body = serde_json::to_vec(&serde_json::json!({ "envVars": env_vars })).map_err(|e| Error::Protocol(e.to_string()))?;
-        let req = Self::request(Method::POST, "/init", Some(CONTENT_TYPE_JSON), None)?
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| Error::Protocol(e.to_string()))?;
-        let resp = self.send(req).await?;
-        let status = resp.status();
-        let bytes = read_body(resp.into_body(), MAX_MESSAGE).await?;
-        if !status.is_success() {
-            return Err(Error::Rpc(ConnectError::from_response(status.as_u16(), &bytes)));
-        }
-        Ok(())
+        self.plain(Method::POST, "/init", Some(CONTENT_TYPE_JSON), Bytes::from(body)).await
     }
 
     /// `GET /health`: succeeds on any 2xx.
     pub async fn health(&self) -> Result<()> {
-        let req = Self::request(Method::GET, "/health", None, None)?
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| Error::Protocol(e.to_string()))?;
+        self.plain(Method::GET, "/health", None, Bytes::new()).await
+    }
+
+    /// A plain HTTP call whose answer is only its status: any 2xx succeeds, anything else is
+    /// the error the body describes.
+    async fn plain(&self, method: Method, uri: &str, content_type: Option<&str>, body: Bytes) -> Result<()> {
+        let req = Self::request(method, uri, content_type, None)?.body(Full::new(body)).map_err(|e| Error::Protocol(e.to_string()))?;
         let resp = self.send(req).await?;
         let status = resp.status();
         let bytes = read_body(resp.into_body(), MAX_MESSAGE).await?;

@@ -516,15 +516,7 @@ impl HostSandbox for Sandbox {
         // What the bundle gives every process: its capabilities (runsc's kernel applies them),
         // checked from inside by the probe.
         if !self.default_user.is_empty() {
-            let (bnd, none) = (bundle::bounding(), cordon_host::proc_facts::cap_set(&[]));
-            let root = self.default_user == "root";
-            f.default_user = Some(cordon_sandbox::report::UserCaps {
-                user: self.default_user.clone(),
-                cap_eff: if root { bnd.clone() } else { none.clone() },
-                cap_prm: if root { bnd.clone() } else { none.clone() },
-                cap_amb: none,
-                cap_bnd: bnd,
-            });
+            f.default_user = Some(cordon_sandbox::report::UserCaps::of(&self.default_user, bundle::bounding()));
             f.unknown.remove("capabilities.defaultUser");
         }
         f

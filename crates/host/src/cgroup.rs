@@ -105,8 +105,10 @@ fn write(path: &Path, value: &str) -> io::Result<()> {
     fs::write(path, value).map_err(|e| io::Error::new(e.kind(), format!("write {value:?} to {}: {e}", path.display())))
 }
 
-/// A cgroup's limits as its files hold them (`None`: missing, or `max`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// A cgroup's limits as its files hold them (`None`: missing, or `max`). `tcp_memory_bytes` is
+/// v1's separate cap on kernel TCP buffers (v2 counts them in the memory cap).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct CgroupLimits {
     pub memory_bytes: Option<u64>,
     pub swap_bytes: Option<u64>,

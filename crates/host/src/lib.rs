@@ -19,7 +19,7 @@ pub mod sys;
 pub mod trust;
 pub mod tun;
 
-pub use cgroup::{Cgroup, Layout, ThreadCharge};
+pub use cgroup::{Cgroup, CgroupLimits, Layout, ThreadCharge};
 pub use ledger::Ledger;
 pub use slots::{Slot, Slots};
 

@@ -408,16 +408,7 @@ impl HostSandbox for Sandbox {
         (f.uid_map, f.gid_map) = (uid, gid);
         f.pid1 = pid1;
         f.mounts = mounts;
-        let bnd = caps::command_bounding();
-        let none = pf::cap_set(&[]);
-        let root = self.default_user == "root";
-        f.default_user = (!self.default_user.is_empty()).then(|| UserCaps {
-            user: self.default_user.clone(),
-            cap_eff: if root { bnd.clone() } else { none.clone() },
-            cap_prm: if root { bnd.clone() } else { none.clone() },
-            cap_amb: none,
-            cap_bnd: bnd,
-        });
+        f.default_user = (!self.default_user.is_empty()).then(|| UserCaps::of(&self.default_user, caps::command_bounding()));
         if f.default_user.is_none() {
             f.unknown.insert("capabilities.defaultUser", "the sandbox was made without an agent configuration".into());
         }

@@ -136,15 +136,7 @@ impl<S: HostSandbox> Sandbox for HostBacked<S> {
     }
 
     fn cgroup_limits(&self) -> Option<crate::report::CgroupLimits> {
-        let l = self.sandbox.cgroup().limits();
-        Some(crate::report::CgroupLimits {
-            memory_bytes: l.memory_bytes,
-            swap_bytes: l.swap_bytes,
-            pids: l.pids,
-            cpu_quota_us: l.cpu_quota_us,
-            cpu_period_us: l.cpu_period_us,
-            tcp_memory_bytes: l.tcp_memory_bytes,
-        })
+        Some(self.sandbox.cgroup().limits())
     }
 
     fn checkpointable(&self) -> bool {

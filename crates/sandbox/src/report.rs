@@ -44,6 +44,17 @@ pub struct UserCaps {
     pub cap_amb: String,
 }
 
+impl UserCaps {
+    /// The sets of `user`'s commands under the bounding set `bnd` (the kernel's hex form): root
+    /// of the sandbox's user namespace holds the whole bounding set, any other user none, and
+    /// no tier grants ambient capabilities.
+    pub fn of(user: &str, bnd: String) -> UserCaps {
+        let none = cordon_host::proc_facts::cap_set(&[]);
+        let held = if user == "root" { bnd.clone() } else { none.clone() };
+        UserCaps { user: user.to_string(), cap_eff: held.clone(), cap_prm: held, cap_amb: none, cap_bnd: bnd }
+    }
+}
+
 /// The syscall filter in force.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -99,18 +110,8 @@ impl TierFacts {
     }
 }
 
-/// Limits as the sandbox's cgroups hold them now (`None`: the file is missing, or says `max`).
-#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-pub struct CgroupLimits {
-    pub memory_bytes: Option<u64>,
-    pub swap_bytes: Option<u64>,
-    pub pids: Option<u64>,
-    pub cpu_quota_us: Option<u64>,
-    pub cpu_period_us: Option<u64>,
-    /// v1's separate cap on kernel TCP buffers (v2 counts them in the memory cap).
-    pub tcp_memory_bytes: Option<u64>,
-}
+/// Limits as the sandbox's cgroups hold them now.
+pub use cordon_host::CgroupLimits;
 
 /// The whole report of `sandbox` (`id`, of `tier`) under `network`.
 pub fn report(id: &str, tier: cordon_spec::Tier, sandbox: &dyn Sandbox, network: &NetworkPolicy) -> Value {
