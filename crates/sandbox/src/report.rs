@@ -124,6 +124,7 @@ pub fn report(id: &str, tier: cordon_spec::Tier, sandbox: &dyn Sandbox, network:
     let denials = sandbox.denials();
     let blocked = sandbox.blocked();
     let injected = sandbox.injected();
+    let disk = sandbox.disk_usage();
     json!({
         "schema": SCHEMA,
         "sandboxID": id,
@@ -160,8 +161,8 @@ pub fn report(id: &str, tier: cordon_spec::Tier, sandbox: &dyn Sandbox, network:
             "memoryBytes": sandbox.memory_current(),
             "peakMemoryBytes": sandbox.peak_memory(),
             "cpuUsec": sandbox.cpu_usage_usec(),
-            "diskBytes": sandbox.disk_usage().map(|(used, _)| used),
-            "diskTotalBytes": sandbox.disk_usage().map(|(_, total)| total),
+            "diskBytes": disk.map(|(used, _)| used),
+            "diskTotalBytes": disk.map(|(_, total)| total),
         },
         "audit": {
             "deniedSyscalls": denials.iter().map(|d| d.count).sum::<u64>(),

@@ -9,10 +9,10 @@
 //! - A create matches a pool by template and tier, the pool's disk size (a writable layer's
 //!   size is fixed when it is made), whether it has a network at all (a sandbox made
 //!   without one has no interface to open), and on a tier that cannot change a running
-//!   sandbox's caps (vm: a guest's memory is fixed at boot) the pool's memory and CPUs. Everything else is given at the hand-over: the
-//!   memory and CPU caps are written to its cgroups, the network policy replaces the default
-//!   one, the create's `envVars` go to the agent's `/init`; the tokens, metadata, deadline and
-//!   lifecycle are the server's own. A create that matches no pool, or whose hand-over fails
+//!   sandbox's caps (vm: a guest's memory is fixed at boot) the pool's memory and CPUs.
+//!   Everything else is given at the hand-over: the memory and CPU caps are written to its
+//!   cgroups, the network policy replaces the default one, the create's `envVars` go to the
+//!   agent's `/init`; the tokens, metadata, deadline and lifecycle are the server's own. A create that matches no pool, or whose hand-over fails
 //!   (its pooled sandbox is destroyed then), starts a sandbox of its own as without a pool.
 //! - A pooled sandbox is used once: taken, it is an ordinary sandbox, destroyed at its end.
 //!   Pooled sandboxes share nothing with each other or with the creates before them.
@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cordon_sandbox::{Sandbox, SandboxSpec};
+use cordon_sandbox::Sandbox;
 use cordon_spec::Tier;
 use serde_json::{json, Value};
 
@@ -87,9 +87,9 @@ impl std::str::FromStr for PoolConfig {
     }
 }
 
-/// A pooled sandbox waiting for a create.
+/// A pooled sandbox waiting for a create: started as its pool's shape, under `id`.
 struct Waiting {
-    spec: SandboxSpec,
+    id: String,
     instance: Box<dyn Sandbox>,
     since: Instant,
 }
@@ -112,6 +112,11 @@ struct Pool {
 impl Pool {
     fn ready(&self) -> std::sync::MutexGuard<'_, VecDeque<Waiting>> {
         self.ready.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes of memory its waiting sandboxes use now.
+    fn memory(&self) -> u64 {
+        self.ready().iter().filter_map(|w| w.instance.memory_current()).sum()
     }
 
     /// Whether `req` can be handed one of this pool's sandboxes: `resizable` says whether the
@@ -170,10 +175,10 @@ impl Pools {
         pools
     }
 
-    /// A pooled sandbox for `req`, given `req`'s caps, network and environment, as (its spec,
+    /// A pooled sandbox for `req`, given `req`'s caps, network and environment, as (its id,
     /// its instance); `None` when no pool matches or holds one, or the hand-over failed (the
     /// create then starts its own).
-    pub async fn take(&self, req: &NewSandbox, resizable: bool) -> Option<(SandboxSpec, Box<dyn Sandbox>)> {
+    pub async fn take(&self, req: &NewSandbox, resizable: bool) -> Option<(String, Box<dyn Sandbox>)> {
         if self.closed.load(Ordering::SeqCst) {
             return None;
         }
@@ -185,15 +190,16 @@ impl Pools {
             };
             pool.wanted.notify_one();
             if w.instance.is_dead() {
-                tracing::info!(sandbox = %w.spec.id, template = %pool.config.template, "a pooled sandbox had died: destroyed");
-                destroy_instance(&w.spec.id, w.instance).await;
+                tracing::info!(sandbox = %w.id, template = %pool.config.template, "a pooled sandbox had died: destroyed");
+                destroy_instance(&w.id, w.instance).await;
                 continue;
             }
-            let id = w.spec.id.clone();
-            return match hand_over(w, req).await {
-                Ok(taken) => {
+            let Waiting { id, instance, .. } = w;
+            let shape = pool.shape.get().expect("a pool that matched has its shape");
+            return match hand_over(instance, shape, req).await {
+                Ok(instance) => {
                     pool.taken.fetch_add(1, Ordering::Relaxed);
-                    Some(taken)
+                    Some((id, instance))
                 }
                 Err((instance, why)) => {
                     tracing::warn!(sandbox = %id, template = %pool.config.template, "a pooled sandbox could not be handed over ({why}): destroyed, the create starts its own");
@@ -210,17 +216,15 @@ impl Pools {
             .pools
             .iter()
             .map(|p| {
-                let ready = p.ready();
-                let memory: u64 = ready.iter().filter_map(|w| w.instance.memory_current()).sum();
                 json!({
                     "templateID": p.config.template,
                     "tier": p.config.tier.as_str(),
                     "size": p.config.size,
-                    "ready": ready.len(),
+                    "ready": p.ready().len(),
                     "starting": p.starting.load(Ordering::Relaxed),
                     "taken": p.taken.load(Ordering::Relaxed),
                     "missed": p.missed.load(Ordering::Relaxed),
-                    "memoryBytes": memory,
+                    "memoryBytes": p.memory(),
                 })
             })
             .collect();
@@ -229,7 +233,7 @@ impl Pools {
 
     /// Bytes of memory the waiting sandboxes of every pool use now.
     fn memory_in_use(&self) -> u64 {
-        self.pools.iter().map(|p| p.ready().iter().filter_map(|w| w.instance.memory_current()).sum::<u64>()).sum()
+        self.pools.iter().map(Pool::memory).sum()
     }
 
     /// Stops every refill and destroys the waiting sandboxes (the server's shutdown).
@@ -239,37 +243,34 @@ impl Pools {
             p.wanted.notify_one();
             let waiting: Vec<Waiting> = p.ready().drain(..).collect();
             for w in waiting {
-                destroy_instance(&w.spec.id, w.instance).await;
+                destroy_instance(&w.id, w.instance).await;
             }
         }
     }
 }
 
-/// Gives a pooled sandbox the caps, network and environment `req` asks for. On an error the
-/// instance comes back with the reason, to be destroyed: it may be half given.
-async fn hand_over(w: Waiting, req: &NewSandbox) -> Result<(SandboxSpec, Box<dyn Sandbox>), (Box<dyn Sandbox>, String)> {
-    let Waiting { mut spec, instance, .. } = w;
-    let limits = cordon_sandbox::served::limits(req.memory_mb, req.cpu_count, req.disk_mb);
-    if limits.memory_bytes != spec.limits.memory_bytes || limits.cpus != spec.limits.cpus {
+/// Gives a pooled sandbox, started as `shape`, the caps, network and environment `req` asks
+/// for. On an error the instance comes back with the reason, to be destroyed: it may be half
+/// given.
+async fn hand_over(instance: Box<dyn Sandbox>, shape: &NewSandbox, req: &NewSandbox) -> Result<Box<dyn Sandbox>, (Box<dyn Sandbox>, String)> {
+    if (req.memory_mb, req.cpu_count) != (shape.memory_mb, shape.cpu_count) {
+        let limits = cordon_sandbox::served::limits(req.memory_mb, req.cpu_count, req.disk_mb);
         if let Err(e) = instance.set_limits(&limits) {
             return Err((instance, e.to_string()));
         }
-        (spec.limits.memory_bytes, spec.limits.cpus) = (limits.memory_bytes, limits.cpus);
     }
     if req.network.is_enabled() {
         if let Err(e) = instance.set_network(req.network.clone()) {
             return Err((instance, e.to_string()));
         }
-        spec.network = req.network.clone();
     }
     if !req.env_vars.is_empty() {
         let client = cordon_envd::EnvdClient::new(instance.socket_path().to_path_buf());
         if let Err(e) = client.init(&req.env_vars).await {
             return Err((instance, format!("the agent's /init: {e}")));
         }
-        spec.env.extend(req.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
-    Ok((spec, instance))
+    Ok(instance)
 }
 
 /// Keeps pool `i` full while the server runs.
@@ -335,7 +336,7 @@ async fn fill(app: Arc<App>, pools: Arc<Pools>, i: usize) {
                 Ok(instance) if closed() => destroy_instance(&spec.id, instance).await,
                 Ok(instance) => {
                     backoff = Backoff::default();
-                    pool.ready().push_back(Waiting { spec, instance, since: Instant::now() });
+                    pool.ready().push_back(Waiting { id: spec.id, instance, since: Instant::now() });
                 }
                 Err(e) => {
                     tracing::warn!(template = %template, "pool: a start failed: {}; retrying in {:?}", e.message, backoff.delay);
@@ -365,8 +366,8 @@ async fn replace_stale(pool: &Pool) {
         stale
     };
     for w in stale {
-        tracing::info!(sandbox = %w.spec.id, template = %pool.config.template, "pool: a waiting sandbox died or aged: replaced");
-        destroy_instance(&w.spec.id, w.instance).await;
+        tracing::info!(sandbox = %w.id, template = %pool.config.template, "pool: a waiting sandbox died or aged: replaced");
+        destroy_instance(&w.id, w.instance).await;
     }
 }
 

@@ -397,25 +397,24 @@ impl Sandboxes {
             Some(pools) if who.new && crate::pool::may_take(&req) => pools.take(&req, self.capabilities(req.tier).set_limits).await,
             _ => None,
         };
-        let (spec, instance, leases) = match pooled {
-            Some((spec, instance)) => {
-                who.id = spec.id.clone();
-                (spec, instance, Vec::new())
+        let (instance, leases) = match pooled {
+            Some((id, instance)) => {
+                who.id = id;
+                (instance, Vec::new())
             }
             None => {
                 let mut spec = self.spec_for(&req, who.id.clone());
                 let leases = self.lease_volumes(&req.volume_mounts, req.tier).await?;
                 spec.volumes = leases.iter().map(|(m, _)| m.clone()).collect();
                 let leases: Vec<cordon_volume::Lease> = leases.into_iter().map(|(_, l)| l).collect();
-                let instance = self.start(&spec, &req.template).await?;
-                (spec, instance, leases)
+                (self.start(&spec, &req.template).await?, leases)
             }
         };
         let socket = instance.socket_path().to_path_buf();
         let death = instance.death_fd();
         let start_command = instance.start_command().cloned();
         let entry = Arc::new(LiveSandbox {
-            id: spec.id.clone(),
+            id: who.id,
             tier: req.tier,
             template: req.template,
             token: who.token,
