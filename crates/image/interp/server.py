@@ -302,26 +302,55 @@ class Context:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
-    async def _wait_ready(self):
+    async def _wait_ready(self, may_restart=True, deadline=None):
         """Waits until the kernel answers a kernel_info request on the shell channel *and* its
         status for that request arrives on IOPub: only then is the IOPub subscription live, so
-        no output of the first cell can be lost."""
+        no output of the first cell can be lost.
+
+        A kernel that has not answered after a quarter of the window gets new client channels
+        (a shell channel that stopped receiving replies while IOPub worked has been seen under
+        emulated CPUs), and after half of it a fresh kernel process, once. Each step is logged
+        with what was seen, so a start that still fails says where it stood."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + KERNEL_READY_SECS
+        started = loop.time()
+        # A kernel started afresh here gets what is left of the first one's window, which is
+        # what cordon's own wait for this server's port allows.
+        deadline = deadline or started + KERNEL_READY_SECS
+        reconnect_at = started + KERNEL_READY_SECS / 4
+        restart_at = started + KERNEL_READY_SECS / 2 if may_restart else deadline
+        seen = set()
         try:
             while loop.time() < deadline:
                 if not self.alive():
                     raise KernelStartError(f"the kernel exited during startup: {describe_death(self.returncode())}")
+                if loop.time() >= reconnect_at:
+                    reconnect_at = deadline
+                    log.warning("kernel %s: no answer after %.0fs (seen on: %s); reconnecting its channels",
+                                self.id, loop.time() - started, ", ".join(sorted(seen)) or "nothing")
+                    self._disconnect()
+                    self._connect()
+                if loop.time() >= restart_at:
+                    log.warning("kernel %s: no answer after %.0fs (seen on: %s); starting a new kernel",
+                                self.id, loop.time() - started, ", ".join(sorted(seen)) or "nothing")
+                    self.probes.clear()
+                    self._disconnect()
+                    await self.km.restart_kernel(now=True)
+                    self._connect()
+                    return await self._wait_ready(may_restart=False, deadline=deadline)
                 msg_id = self.kc.kernel_info()
                 self.probes[msg_id] = set()
                 # A probe sent before the kernel listens can be lost: send another each second.
                 resend = loop.time() + 1.0
                 while loop.time() < resend:
                     await asyncio.sleep(0.01)
-                    if any({"shell", "iopub"} <= seen for seen in self.probes.values()):
+                    for got in self.probes.values():
+                        seen |= got
+                    if any({"shell", "iopub"} <= got for got in self.probes.values()):
                         self.generation += 1
                         return
-            raise KernelStartError(f"the kernel did not answer within {KERNEL_READY_SECS:.0f}s")
+            raise KernelStartError(
+                f"the kernel did not answer within {loop.time() - started:.0f}s (seen on: {', '.join(sorted(seen)) or 'nothing'})"
+            )
         finally:
             self.probes.clear()
 
