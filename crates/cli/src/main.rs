@@ -111,7 +111,8 @@ fn main() -> ExitCode {
         }
     };
     // A server's operator reads its sandbox events, so `serve` logs at info level by default.
-    init_tracing(if matches!(cli.command, Command::Serve(_)) { cli.verbose.max(1) } else { cli.verbose });
+    let json_log = matches!(&cli.command, Command::Serve(a) if a.log_format == serve::LogFormat::Json);
+    init_tracing(if matches!(cli.command, Command::Serve(_)) { cli.verbose.max(1) } else { cli.verbose }, json_log);
     let state = state::State::new(cli.state_dir);
     let result = match cli.command {
         Command::Run(a) => run::main(&state, a),
@@ -163,7 +164,7 @@ fn one_line(e: &anyhow::Error) -> String {
     out
 }
 
-fn init_tracing(verbose: u8) {
+fn init_tracing(verbose: u8, json: bool) {
     use tracing_subscriber::EnvFilter;
     // The forwarder's TCP/IP stack logs per packet, and every packet is the sandbox's: at warn it
     // let a sandbox print a line per datagram on the operator's terminal. Only its errors show
@@ -177,6 +178,19 @@ fn init_tracing(verbose: u8) {
     // Colour only on a terminal: a server's log is often a file.
     use std::io::IsTerminal as _;
     let ansi = std::io::stderr().is_terminal();
+    if json {
+        // One object per line with a timestamp, the level, the event's fields at the top level,
+        // and the request's span (its `request_id`, and `sandbox_id` for sandbox traffic).
+        let _ = tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
+        return;
+    }
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).without_time().try_init();
 }
 

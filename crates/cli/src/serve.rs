@@ -81,6 +81,26 @@ pub struct ServeArgs {
     /// refilling at it. Default: a quarter of the host's memory.
     #[arg(long, value_name = "SIZE", requires = "pool")]
     pool_memory: Option<String>,
+    /// Also serve GET /metrics (Prometheus) on this address, without the API key (bind it to a
+    /// private address). /metrics on --listen always answers, with the key (X-API-KEY, or
+    /// Authorization: Bearer KEY).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
+    /// Add per-sandbox CPU and memory series, labelled with each sandbox's id, to /metrics (one
+    /// series per sandbox: opt-in for that reason).
+    #[arg(long)]
+    metrics_per_sandbox: bool,
+    /// Log lines as human text, or as one JSON object per line (with the request's id and the
+    /// sandbox's id on the lines about them).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// How `cordon serve` writes its log (`--log-format`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -217,10 +237,23 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
             None => eprintln!("cordon serve: listening on {scheme}://{addr} (E2B_API_URL={scheme}://{addr} E2B_SANDBOX_URL={scheme}://{addr})"),
         }
         tracing::info!(addr = %a.listen, max_sandboxes = a.max_sandboxes, network_default = %network_default, "serving");
+        app.sandboxes.stats.set_per_sandbox(a.metrics_per_sandbox);
+        let metrics = match a.metrics_listen {
+            Some(at) => {
+                let l = tokio::net::TcpListener::bind(at).await.with_context(|| format!("--metrics-listen {at}"))?;
+                eprintln!("cordon serve: metrics on http://{}/metrics (no API key)", l.local_addr()?);
+                Some(tokio::spawn(cordon_server::metrics_listener::serve(l, app.clone())))
+            }
+            None => None,
+        };
         if !pools.is_empty() {
             cordon_server::pool::Pools::start(&app, pools, pool_memory);
         }
-        cordon_server::serve(listener, app, shutdown()).await?;
+        let served = cordon_server::serve(listener, app, shutdown()).await;
+        if let Some(m) = metrics {
+            m.abort();
+        }
+        served?;
         tracing::info!("stopped");
         Ok::<_, anyhow::Error>(())
     })?;

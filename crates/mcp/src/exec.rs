@@ -103,7 +103,7 @@ pub async fn run(
     };
     let mut stream = client.start(req, Some(USER), None).await.map_err(|e| start_error(e, &job.cmd, job.cwd.as_deref()))?;
     let pid = stream.pid();
-    tracing::debug!(sandbox = %live.id, pid, cmd = %job.cmd, "process started");
+    tracing::debug!(sandbox_id = %live.id, pid, cmd = %job.cmd, "process started");
     let mut out = Capture::new(max_output);
     let mut err = Capture::new(max_output);
     let deadline = tokio::time::sleep(job.timeout);
@@ -130,7 +130,7 @@ pub async fn run(
                 Some(Ok(ProcessEvent::Start(_) | ProcessEvent::Keepalive(_))) => {}
                 Some(Ok(ProcessEvent::End(end))) => break Some(end),
                 Some(Err(e)) => {
-                    tracing::debug!(sandbox = %live.id, pid, "event stream broke: {e}");
+                    tracing::debug!(sandbox_id = %live.id, pid, "event stream broke: {e}");
                     break None;
                 }
                 None => break None,

@@ -99,7 +99,7 @@ impl Pool {
             self.destroy(&live.id).await;
             return Err(format!("the sandbox's agent did not start: {e}"));
         }
-        tracing::info!(sandbox = %live.id, image = %c.image, ms = started.elapsed().as_millis() as u64, "sandbox created");
+        tracing::info!(sandbox_id = %live.id, image = %c.image, ms = started.elapsed().as_millis() as u64, "sandbox created");
         Ok(live)
     }
 
@@ -157,8 +157,8 @@ impl Pool {
 
 fn destroy_instance(id: &str, mut instance: Box<dyn Sandbox>) {
     match instance.destroy() {
-        Ok(()) => tracing::info!(sandbox = %id, "sandbox destroyed"),
-        Err(e) => tracing::warn!(sandbox = %id, "{e}"),
+        Ok(()) => tracing::info!(sandbox_id = %id, "sandbox destroyed"),
+        Err(e) => tracing::warn!(sandbox_id = %id, "{e}"),
     }
 }
 

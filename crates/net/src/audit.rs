@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// One kind of blocked attempt, counted.
@@ -33,15 +34,28 @@ pub struct Injected {
     pub count: u64,
 }
 
+/// Connections (and DNS questions, and other packets) counted since the forwarder started:
+/// totals that keep growing after [`MAX_ENTRIES`] distinct refusals are kept, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct FlowCounts {
+    /// TCP connections the policy let out.
+    pub allowed: u64,
+    /// Attempts the policy (or a limit of the forwarder) refused.
+    pub blocked: u64,
+}
+
 #[derive(Default)]
 pub struct AuditLog {
     entries: Mutex<(Vec<Blocked>, HashMap<Key, usize>)>,
     injections: Mutex<std::collections::BTreeMap<(String, String), u64>>,
+    allowed: AtomicU64,
+    blocked: AtomicU64,
 }
 
 impl AuditLog {
     pub fn record(&self, proto: &str, destination: String, name: Option<String>, reason: String) {
         tracing::debug!(proto, %destination, ?name, %reason, "egress blocked");
+        self.blocked.fetch_add(1, Ordering::Relaxed);
         let mut g = self.entries.lock().expect("audit lock");
         let (list, index) = &mut *g;
         let key = (proto.to_string(), destination, name, reason);
@@ -69,6 +83,15 @@ impl AuditLog {
         }
     }
 
+    /// Counts one connection the policy let out.
+    pub fn allowed(&self) {
+        self.allowed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn counts(&self) -> FlowCounts {
+        FlowCounts { allowed: self.allowed.load(Ordering::Relaxed), blocked: self.blocked.load(Ordering::Relaxed) }
+    }
+
     pub fn injections(&self) -> Vec<Injected> {
         self.injections.lock().expect("audit lock").iter().map(|((host, header), n)| Injected { host: host.clone(), header: header.clone(), count: *n }).collect()
     }
@@ -93,5 +116,17 @@ mod tests {
         assert_eq!(s.len(), 2);
         assert_eq!(s[0].count, 3);
         assert_eq!(s[1].name.as_deref(), Some("x.test"));
+        log.allowed();
+        assert_eq!(log.counts(), FlowCounts { allowed: 1, blocked: 4 });
+    }
+
+    #[test]
+    fn totals_grow_past_the_kept_entries() {
+        let log = AuditLog::default();
+        for i in 0..MAX_ENTRIES + 10 {
+            log.record("tcp", format!("198.51.100.{}:{}", i % 250, 1000 + i), None, "no rule".into());
+        }
+        assert_eq!(log.snapshot().len(), MAX_ENTRIES);
+        assert_eq!(log.counts().blocked, (MAX_ENTRIES + 10) as u64);
     }
 }

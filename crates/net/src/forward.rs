@@ -271,7 +271,10 @@ async fn tcp(shared: Arc<Shared>, mut s: IpStackTcpStream) {
         _ => None,
     };
     let targets = match decide(&shared, &policy, dst, name).await {
-        Ok(t) => t,
+        Ok(t) => {
+            shared.audit.allowed();
+            t
+        }
         Err(reason) => {
             shared.audit.record("tcp", dst.to_string(), name.map(str::to_string), reason);
             s.reset();

@@ -38,7 +38,7 @@ pub mod guard;
 pub mod intercept;
 pub mod sniff;
 
-pub use audit::{AuditLog, Blocked, Injected};
+pub use audit::{AuditLog, Blocked, FlowCounts, Injected};
 pub use ca::{CaError, EgressCa};
 pub use intercept::{Interception, SecretSource};
 pub use cpu::CpuCharge;
@@ -248,6 +248,11 @@ impl Egress {
     /// Every blocked attempt so far.
     pub fn blocked(&self) -> Vec<Blocked> {
         self.shared.audit.snapshot()
+    }
+
+    /// Connections let out and attempts refused so far.
+    pub fn flow_counts(&self) -> FlowCounts {
+        self.shared.audit.counts()
     }
 
     /// The forwarder's host thread (its CPU is the forwarder's CPU).

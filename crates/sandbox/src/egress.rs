@@ -54,6 +54,11 @@ impl Egress {
         self.0.as_ref().map(|e| e.blocked()).unwrap_or_default()
     }
 
+    /// Connections let out and attempts refused so far (`None` without a network).
+    pub fn flow_counts(&self) -> Option<cordon_net::FlowCounts> {
+        self.0.as_ref().map(|e| e.flow_counts())
+    }
+
     /// Headers the forwarder injected so far, per host and header name.
     pub fn injected(&self) -> Vec<cordon_net::Injected> {
         self.0.as_ref().map(|e| e.injected()).unwrap_or_default()

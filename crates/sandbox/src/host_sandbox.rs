@@ -111,6 +111,10 @@ impl<S: HostSandbox> Sandbox for HostBacked<S> {
         self.egress.blocked()
     }
 
+    fn flow_counts(&self) -> Option<crate::FlowCounts> {
+        self.egress.flow_counts()
+    }
+
     fn injected(&self) -> Vec<crate::Injected> {
         self.egress.injected()
     }

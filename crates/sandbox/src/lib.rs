@@ -36,7 +36,7 @@ pub mod served;
 mod tiers;
 
 pub use backend::{Backend, Capabilities, Host};
-pub use cordon_net::{Blocked, EgressCa, Injected, Interception, SecretSource};
+pub use cordon_net::{Blocked, EgressCa, FlowCounts, Injected, Interception, SecretSource};
 pub use diagnosis::{Diagnosis, Finding};
 pub use error::Error;
 pub use sandbox::{Denial, Sandbox, WritableLayer};

@@ -69,6 +69,10 @@ pub trait Sandbox: Send {
     fn blocked(&self) -> Vec<Blocked> {
         Vec::new()
     }
+    /// Connections its egress forwarder let out and attempts it refused, where it has one.
+    fn flow_counts(&self) -> Option<crate::FlowCounts> {
+        None
+    }
     /// Headers the forwarder injected into the sandbox's requests, per host and header name.
     fn injected(&self) -> Vec<crate::Injected> {
         Vec::new()

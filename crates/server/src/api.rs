@@ -56,6 +56,10 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         let rest = rest.to_string();
         return crate::volume_content::handle(volumes(app)?, &method, &rest, req).await;
     }
+    if path == "/metrics" {
+        auth::check_scrape_key(req.headers(), &app.api_key)?;
+        return metrics_text(app, &method, req.headers());
+    }
     auth::check_api_key(req.headers(), &app.api_key)?;
     let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let segs = match segs.as_slice() {
@@ -132,6 +136,21 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         ),
         _ => Err(ApiError::not_found(format!("no API endpoint {method} {path}"))),
     }
+}
+
+/// `GET /metrics`: the server's metrics in the Prometheus text format, or OpenMetrics when the
+/// scraper asks for it.
+pub fn metrics_text(app: &App, method: &Method, headers: &hyper::HeaderMap) -> Result<Response<Body>, ApiError> {
+    if !matches!(*method, Method::GET | Method::HEAD) {
+        return Err(ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "use GET"));
+    }
+    let openmetrics = crate::server_metrics::wants_openmetrics(headers.get(hyper::header::ACCEPT).and_then(|v| v.to_str().ok()));
+    let text = app.sandboxes.stats.render(&app.sandboxes, openmetrics);
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header(hyper::header::CONTENT_TYPE, crate::server_metrics::content_type(openmetrics))
+        .body(crate::full(text))
+        .expect("a static response"))
 }
 
 fn secrets(app: &App) -> Result<&Arc<cordon_secret::SecretStore>, ApiError> {

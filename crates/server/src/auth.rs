@@ -29,6 +29,17 @@ pub fn check_api_key(headers: &hyper::HeaderMap, api_key: &str) -> Result<(), cr
     Err(crate::ApiError::unauthorized(if key.is_empty() { "missing API key: send it in the X-API-KEY header" } else { "invalid API key" }))
 }
 
+/// The API key as a scraper sends it: `X-API-KEY`, or `Authorization: Bearer KEY` (what
+/// Prometheus' `authorization` setting sends).
+pub fn check_scrape_key(headers: &hyper::HeaderMap, api_key: &str) -> Result<(), crate::ApiError> {
+    let bearer = headers.get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    match bearer {
+        Some(key) if ct_eq(key.trim(), api_key) => Ok(()),
+        Some(_) => Err(crate::ApiError::unauthorized("invalid API key")),
+        None => check_api_key(headers, api_key),
+    }
+}
+
 fn random_hex(bytes: usize) -> String {
     let mut raw = vec![0u8; bytes];
     getrandom::fill(&mut raw).expect("the kernel's random source is available");

@@ -60,7 +60,7 @@ pub async fn fork(sandboxes: &Arc<Sandboxes>, id: &str, count: u32, timeout: Dur
                 saved.drop_image(&image).await;
             }
             let e = created?;
-            tracing::info!(sandbox = %e.id, source = %id, n, "sandbox forked");
+            tracing::info!(sandbox_id = %e.id, source = %id, n, "sandbox forked");
             Ok::<_, ApiError>(e)
         }
     };
@@ -120,7 +120,7 @@ async fn fork_through_pause(sandboxes: &Arc<Sandboxes>, saved: &crate::saved::Sa
     match crate::pause::resume(sandboxes, id, left).await {
         // Its own deadline, to the millisecond, not one counted again from now.
         Ok((source, _)) => source.set_end_at(end.max(std::time::SystemTime::now())),
-        Err(err) => tracing::warn!(sandbox = %id, "the fork's source stays paused: its resume failed: {}", err.message),
+        Err(err) => tracing::warn!(sandbox_id = %id, "the fork's source stays paused: its resume failed: {}", err.message),
     }
     Ok(entries(results, domain, "memory"))
 }
@@ -154,7 +154,7 @@ async fn restore_one(sandboxes: &Arc<Sandboxes>, saved: &crate::saved::Saved, mu
     let own = req.own_image.clone();
     match sandboxes.create_as(req, who).await {
         Ok(e) => {
-            tracing::info!(sandbox = %e.id, source, n, mode = "memory", "sandbox forked");
+            tracing::info!(sandbox_id = %e.id, source, n, mode = "memory", "sandbox forked");
             Ok(e)
         }
         Err(err) => {

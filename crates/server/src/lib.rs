@@ -20,16 +20,19 @@ pub mod fork;
 pub mod isolation;
 pub mod lifecycle;
 pub mod metrics;
+pub mod metrics_listener;
 pub mod network;
 pub mod pause;
 pub mod pool;
 pub mod port_token;
 pub mod proxy;
 pub mod query;
+pub mod request_id;
 pub mod registry;
 pub mod routes;
 pub mod saved;
 pub mod secrets;
+pub mod server_metrics;
 pub mod snapshots;
 pub mod start_command;
 pub mod templates;
@@ -104,8 +107,21 @@ impl App {
         self.secrets.as_ref()?.value(name)
     }
 
-    /// Routes one request to the control plane or to a sandbox.
+    /// Routes one request to the control plane or to a sandbox, inside a span that gives every
+    /// log line of it the request's id (the client's `X-Request-Id` when it sends a usable one, a
+    /// fresh one otherwise), which the response carries back.
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        use tracing::Instrument as _;
+        let id = request_id::of(req.headers());
+        let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path(), sandbox_id = tracing::field::Empty);
+        let mut resp = self.route(req).instrument(span).await;
+        if let Ok(v) = hyper::header::HeaderValue::from_str(&id) {
+            resp.headers_mut().insert(request_id::HEADER, v);
+        }
+        resp
+    }
+
+    async fn route(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
         match routes::classify(req.uri().path(), req.headers()) {
             // A signed `/files` URL made from E2B_SANDBOX_URL names no sandbox: the signature,
             // made with one sandbox's token, is what identifies it.
@@ -115,9 +131,15 @@ impl App {
                 Err(e) => e.into_response(),
             },
             routes::Route::Api => api::handle(&self, req).await,
-            routes::Route::Sandbox { id, port } => proxy::handle(&self, &id, port, req).await,
+            routes::Route::Sandbox { id, port } => {
+                tracing::Span::current().record("sandbox_id", id.as_str());
+                proxy::handle(&self, &id, port, req).await
+            }
             routes::Route::ByToken(token) => match self.sandboxes.by_token(&token) {
-                Some(entry) => proxy::handle(&self, &entry.id, ENVD_PORT, req).await,
+                Some(entry) => {
+                    tracing::Span::current().record("sandbox_id", entry.id.as_str());
+                    proxy::handle(&self, &entry.id, ENVD_PORT, req).await
+                }
                 None => api::handle(&self, req).await,
             },
             routes::Route::Invalid(msg) => ApiError::bad_request(msg).into_response(),

@@ -152,7 +152,7 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
         let saved = sandboxes.saved.as_ref().ok_or_else(|| unsupported("this server keeps no state: it cannot save a sandbox's memory to disk".into()))?;
         saved.check_budget(e.memory_current().unwrap_or(0) + e.disk_usage().map_or(0, |(used, _)| used))?;
         let record = pause_ending(sandboxes, &e, saved.pause_with_memory(&e)).await?;
-        tracing::info!(sandbox = %id, auto, mode = "full", saved = ?record.memory, "sandbox paused to disk with its memory");
+        tracing::info!(sandbox_id = %id, auto, mode = "full", saved = ?record.memory, "sandbox paused to disk with its memory");
         return Ok(());
     }
     if memory {
@@ -167,7 +167,7 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
         }
         freeze(&e, true).await?;
         e.set_frozen(Some(SystemTime::now()));
-        tracing::info!(sandbox = %id, auto, mode = "full", "sandbox paused");
+        tracing::info!(sandbox_id = %id, auto, mode = "full", "sandbox paused");
         return Ok(());
     }
     let saved = sandboxes.saved.as_ref().ok_or_else(|| unsupported("this server keeps no state: it cannot pause a sandbox to its files".into()))?;
@@ -175,7 +175,7 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
         // The whole disk is kept (a VM's, which the host never mounts); the sandbox ends.
         saved.check_budget(e.disk_usage().map_or(e.disk_mb << 20, |(used, _)| used))?;
         let record = pause_ending(sandboxes, &e, saved.pause_keeping_disk(&e)).await?;
-        tracing::info!(sandbox = %id, auto, mode = "filesystem", kept = ?record.disk, "sandbox paused to its disk");
+        tracing::info!(sandbox_id = %id, auto, mode = "filesystem", kept = ?record.disk, "sandbox paused to its disk");
         return Ok(());
     }
     if !caps.keep_writable || !e.with_instance(false, |i| i.writable_layer().is_some()) {
@@ -196,7 +196,7 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
     if let Some(gone) = sandboxes.take(id) {
         sandboxes.destroy(&gone).await;
     }
-    tracing::info!(sandbox = %id, auto, mode = "filesystem", image = %record.image, "sandbox paused");
+    tracing::info!(sandbox_id = %id, auto, mode = "filesystem", image = %record.image, "sandbox paused");
     Ok(())
 }
 
@@ -218,7 +218,7 @@ pub async fn resume(sandboxes: &Arc<Sandboxes>, id: &str, timeout: Duration) -> 
         freeze(&e, false).await?;
         e.set_frozen(None);
         e.set_end_at(SystemTime::now() + timeout);
-        tracing::info!(sandbox = %id, mode = "full", "sandbox resumed");
+        tracing::info!(sandbox_id = %id, mode = "full", "sandbox resumed");
         return Ok((e.clone(), true));
     }
     let saved = sandboxes.saved.as_ref().ok_or_else(|| not_found(id))?;
@@ -231,7 +231,7 @@ pub async fn resume(sandboxes: &Arc<Sandboxes>, id: &str, timeout: Duration) -> 
     match sandboxes.create_as(req, who).await {
         Ok(e) => {
             saved.forget_resumed(&record).await;
-            tracing::info!(sandbox = %id, mode = record.mode().as_str(), "sandbox resumed");
+            tracing::info!(sandbox_id = %id, mode = record.mode().as_str(), "sandbox resumed");
             Ok((e, true))
         }
         Err(err) => {
@@ -245,7 +245,7 @@ pub async fn resume(sandboxes: &Arc<Sandboxes>, id: &str, timeout: Duration) -> 
 pub async fn kill(sandboxes: &Arc<Sandboxes>, id: &str) -> bool {
     if let Some(e) = sandboxes.get(id) {
         let _turn = e.transition.lock().await;
-        if sandboxes.remove(id, "killed by the API").await {
+        if sandboxes.remove(id, crate::server_metrics::EndReason::Api).await {
             return true;
         }
         // Paused to disk while this waited for its turn: the saved state goes below.

@@ -132,6 +132,20 @@ impl Pool {
     }
 }
 
+/// One pool's figures at one moment (`GET /pools`, `/metrics`).
+pub struct PoolCounts {
+    pub template: String,
+    pub tier: Tier,
+    pub size: usize,
+    pub ready: usize,
+    pub starting: usize,
+    /// Creates given one of its sandboxes, and creates that matched it while it was empty.
+    pub taken: usize,
+    pub missed: usize,
+    /// Bytes its waiting sandboxes use.
+    pub memory: u64,
+}
+
 /// Every pool of the server, and their memory budget.
 pub struct Pools {
     pools: Vec<Pool>,
@@ -190,7 +204,7 @@ impl Pools {
             };
             pool.wanted.notify_one();
             if w.instance.is_dead() {
-                tracing::info!(sandbox = %w.id, template = %pool.config.template, "a pooled sandbox had died: destroyed");
+                tracing::info!(sandbox_id = %w.id, template = %pool.config.template, "a pooled sandbox had died: destroyed");
                 destroy_instance(&w.id, w.instance).await;
                 continue;
             }
@@ -202,7 +216,7 @@ impl Pools {
                     Some((id, instance))
                 }
                 Err((instance, why)) => {
-                    tracing::warn!(sandbox = %id, template = %pool.config.template, "a pooled sandbox could not be handed over ({why}): destroyed, the create starts its own");
+                    tracing::warn!(sandbox_id = %id, template = %pool.config.template, "a pooled sandbox could not be handed over ({why}): destroyed, the create starts its own");
                     destroy_instance(&id, instance).await;
                     None
                 }
@@ -210,21 +224,43 @@ impl Pools {
         }
     }
 
+    /// Each pool's figures now, in flag order.
+    pub fn counts(&self) -> Vec<PoolCounts> {
+        self.pools
+            .iter()
+            .map(|p| {
+                // Its own statement: the guard of `ready()` must be gone before `memory()`
+                // takes the same lock.
+                let ready = p.ready().len();
+                PoolCounts {
+                    template: p.config.template.clone(),
+                    tier: p.config.tier,
+                    size: p.config.size,
+                    ready,
+                    starting: p.starting.load(Ordering::Relaxed),
+                    taken: p.taken.load(Ordering::Relaxed),
+                    missed: p.missed.load(Ordering::Relaxed),
+                    memory: p.memory(),
+                }
+            })
+            .collect()
+    }
+
     /// The pools as `GET /pools` shows them.
     pub fn json(&self) -> Value {
         let list: Vec<Value> = self
-            .pools
-            .iter()
+            .counts()
+            .into_iter()
             .map(|p| {
                 json!({
-                    "templateID": p.config.template,
-                    "tier": p.config.tier.as_str(),
-                    "size": p.config.size,
-                    "ready": p.ready().len(),
-                    "starting": p.starting.load(Ordering::Relaxed),
-                    "taken": p.taken.load(Ordering::Relaxed),
-                    "missed": p.missed.load(Ordering::Relaxed),
-                    "memoryBytes": p.memory(),
+                    "templateID": p.template,
+                    "tier": p.tier.as_str(),
+                    "size": p.size,
+                    "ready": p.ready,
+                    "starting": p.starting,
+                    "taken": p.taken,
+                    "missed": p.missed,
+                    "memoryBytes": p.memory,
                 })
             })
             .collect();
@@ -366,7 +402,7 @@ async fn replace_stale(pool: &Pool) {
         stale
     };
     for w in stale {
-        tracing::info!(sandbox = %w.id, template = %pool.config.template, "pool: a waiting sandbox died or aged: replaced");
+        tracing::info!(sandbox_id = %w.id, template = %pool.config.template, "pool: a waiting sandbox died or aged: replaced");
         destroy_instance(&w.id, w.instance).await;
     }
 }

@@ -49,7 +49,7 @@ async fn wake_saved<B>(app: &Arc<App>, id: &str, port: u16, req: &Request<B>) ->
     let timeout = std::time::Duration::from_secs(r.lifecycle.resume_timeout_secs);
     match crate::pause::resume(&app.sandboxes, id, timeout).await {
         Ok((e, _)) => {
-            tracing::info!(sandbox = %id, port, "sandbox woken from disk by a request");
+            tracing::info!(sandbox_id = %id, port, "sandbox woken from disk by a request");
             Some(Ok(e))
         }
         Err(e) if e.status == StatusCode::NOT_FOUND => None,
@@ -105,7 +105,7 @@ pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incomi
             Err(e) if e.status == StatusCode::NOT_FOUND => return sandbox_not_found(id),
             Err(e) => return e.into_response(),
         }
-        tracing::info!(sandbox = %id, port, "sandbox woken by a request");
+        tracing::info!(sandbox_id = %id, port, "sandbox woken by a request");
     }
     let Ok(permit) = entry.streams.clone().try_acquire_owned() else {
         return ApiError::new(
@@ -114,6 +114,9 @@ pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incomi
         )
         .into_response();
     };
+    // A command's latency runs from its start request to the end of its output stream.
+    let command = (port == ENVD_PORT && req.uri().path() == COMMAND_START_PATH)
+        .then(|| CommandTimer { sandboxes: app.sandboxes.clone(), tier: entry.tier, since: std::time::Instant::now() });
     match forward(&entry.socket, port, req).await {
         // The permit is held until the response body is done or dropped.
         Ok(r) => {
@@ -125,14 +128,14 @@ pub async fn handle(app: &Arc<App>, id: &str, port: u16, mut req: Request<Incomi
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|ct| ct.starts_with("application/connect+"));
             let cut = (port == ENVD_PORT && is_stream).then(|| id.to_string());
-            r.map(|body| Permitted { body, _permit: permit, cut, ended: false }.boxed())
+            r.map(|body| Permitted { body, _permit: permit, cut, ended: false, _command: command }.boxed())
         }
         Err(e) => {
             // The sandbox may have died while the request was on its way.
             if app.sandboxes.get(id).is_none() {
                 return sandbox_not_found(id);
             }
-            tracing::debug!(sandbox = %id, port, "proxy: {e}");
+            tracing::debug!(sandbox_id = %id, port, "proxy: {e}");
             ApiError::new(StatusCode::BAD_GATEWAY, format!("the sandbox did not answer on port {port}: {e}"))
                 .no_retry()
                 .into_response()
@@ -222,10 +225,28 @@ fn file_op(method: &Method) -> FileOp {
     }
 }
 
+/// envd's process start: its stream lasts as long as the command.
+const COMMAND_START_PATH: &str = "/process.Process/Start";
+
+/// Counts a command's latency in the server's metrics when its stream's body goes, however
+/// it ends (the command's end, the client hanging up, the sandbox's end).
+struct CommandTimer {
+    sandboxes: Arc<crate::registry::Sandboxes>,
+    tier: cordon_spec::Tier,
+    since: std::time::Instant,
+}
+
+impl Drop for CommandTimer {
+    fn drop(&mut self) {
+        self.sandboxes.stats.command(self.tier, self.since.elapsed());
+    }
+}
+
 /// A response body that holds a stream permit of its sandbox.
 struct Permitted {
     body: Body,
     _permit: tokio::sync::OwnedSemaphorePermit,
+    _command: Option<CommandTimer>,
     /// For an envd Connect stream, the sandbox's id: if the agent's side breaks off (the
     /// sandbox was killed or died), the stream ends with an `unavailable` end-of-stream message
     /// and a proper end of the body instead of a cut connection.
@@ -249,7 +270,7 @@ impl hyper::body::Body for Permitted {
             Poll::Ready(Some(Err(e))) if self.cut.is_some() => {
                 self.ended = true;
                 let id = self.cut.take().unwrap_or_default();
-                tracing::debug!(sandbox = %id, "agent stream broke off: {e}");
+                tracing::debug!(sandbox_id = %id, "agent stream broke off: {e}");
                 let err = cordon_envd::connect::ConnectError::new(
                     cordon_envd::connect::Code::Unavailable,
                     format!("the connection to sandbox {id} ended before the stream completed"),

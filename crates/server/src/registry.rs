@@ -15,6 +15,7 @@ use cordon_sandbox::{served, Backend, Sandbox, SandboxSpec};
 
 use crate::auth;
 use crate::error::ApiError;
+use crate::server_metrics::{EndReason, ServerMetrics, Source};
 
 /// Longest TTL a create, connect or set_timeout may ask for (E2B's own cap is 24 h).
 pub use cordon_sandbox::MAX_TIMEOUT_SECS;
@@ -134,6 +135,16 @@ impl LiveSandbox {
         self.with_instance(Vec::new(), |i| i.denials())
     }
 
+    /// Connections its egress let out and attempts it refused so far.
+    pub fn flow_counts(&self) -> Option<cordon_sandbox::FlowCounts> {
+        self.with_instance(None, |i| i.flow_counts())
+    }
+
+    /// Processes the OOM killer ended in it so far, where the host can count them.
+    pub fn oom_kills(&self) -> Option<u64> {
+        self.with_instance(None, |i| i.oom_kills())
+    }
+
     /// The network attempts its egress policy blocked so far.
     pub fn blocked(&self) -> Vec<cordon_sandbox::Blocked> {
         self.with_instance(Vec::new(), |i| i.blocked())
@@ -216,6 +227,8 @@ pub struct Sandboxes {
     egress_ca: std::sync::OnceLock<String>,
     /// The warm pools (`--pool`), once the server has made them.
     pub(crate) pools: std::sync::OnceLock<Arc<crate::pool::Pools>>,
+    /// What `GET /metrics` reports.
+    pub stats: ServerMetrics,
 }
 
 /// A slot under the concurrency limit, held while a create runs.
@@ -234,7 +247,7 @@ impl Sandboxes {
 
     /// A registry that can pause sandboxes to disk and snapshot them, through `saved`.
     pub fn with_saved(backend: Arc<dyn Backend>, max: usize, envd_version: String, saved: Option<crate::saved::Saved>) -> Arc<Sandboxes> {
-        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new(), pools: std::sync::OnceLock::new() })
+        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new(), pools: std::sync::OnceLock::new(), stats: ServerMetrics::default() })
     }
 
     /// Makes every networked sandbox trust the egress CA (its certificate, PEM), so that
@@ -275,7 +288,19 @@ impl Sandboxes {
     }
 
     pub(crate) fn take(&self, id: &str) -> Option<Arc<LiveSandbox>> {
-        self.write().remove(id)
+        self.unlist(id, None)
+    }
+
+    /// Takes `id` out of the list (only if it is still `this`, when given), its totals moving
+    /// to the metrics' retired ones in the same step.
+    fn unlist(&self, id: &str, this: Option<&Arc<LiveSandbox>>) -> Option<Arc<LiveSandbox>> {
+        self.stats.retired.retire(|| {
+            let mut list = self.write();
+            if this.is_some_and(|this| !list.get(id).is_some_and(|now| Arc::ptr_eq(now, this))) {
+                return None;
+            }
+            list.remove(id)
+        })
     }
 
     pub fn by_token(&self, token: &str) -> Option<Arc<LiveSandbox>> {
@@ -363,7 +388,7 @@ impl Sandboxes {
             .await
             .map_err(ApiError::internal)?
             .map_err(|e| {
-                tracing::info!(sandbox = %spec.id, template = %spec.image, "sandbox create refused: {e}");
+                tracing::info!(sandbox_id = %spec.id, template = %spec.image, "sandbox create refused: {e}");
                 use cordon_sandbox::Error;
                 match e {
                     Error::UnknownTemplate(m) => ApiError::not_found(m),
@@ -380,7 +405,7 @@ impl Sandboxes {
         if let Some(start) = instance.start_command().filter(|_| spec.restore.is_none()).cloned() {
             if let Err(e) = crate::start_command::run(&socket, &start, instance.slowdown()).await {
                 destroy_instance(&spec.id, instance).await;
-                tracing::warn!(sandbox = %spec.id, template, "start command failed: {e}");
+                tracing::warn!(sandbox_id = %spec.id, template, "start command failed: {e}");
                 return Err(ApiError::internal(format!("template '{template}': {e}")));
             }
         }
@@ -390,12 +415,26 @@ impl Sandboxes {
     /// Creates a sandbox that is `who` (a new one, or a saved one resumed) and returns once its
     /// agent answers. A new one is taken from a warm pool where one matches (see
     /// [`crate::pool`]); its id is then the pooled sandbox's own.
-    pub async fn create_as(self: &Arc<Self>, req: NewSandbox, mut who: Identity) -> Result<Arc<LiveSandbox>, ApiError> {
+    pub async fn create_as(self: &Arc<Self>, req: NewSandbox, who: Identity) -> Result<Arc<LiveSandbox>, ApiError> {
+        let tier = req.tier;
+        let made = self.create_listed(req, who).await;
+        if let Err(e) = &made {
+            self.stats.create_failed(tier, e.status);
+        }
+        made
+    }
+
+    async fn create_listed(self: &Arc<Self>, req: NewSandbox, mut who: Identity) -> Result<Arc<LiveSandbox>, ApiError> {
         let _slot = self.reserve()?;
         let started = Instant::now();
         let pooled = match self.pools.get() {
             Some(pools) if who.new && crate::pool::may_take(&req) => pools.take(&req, self.capabilities(req.tier).set_limits).await,
             _ => None,
+        };
+        let source = match (&pooled, who.new && req.restore.is_none() && req.disk_from.is_none() && req.own_image.is_none()) {
+            (Some(_), _) => Source::Pool,
+            (None, true) => Source::Cold,
+            (None, false) => Source::Restore,
         };
         let (instance, leases) = match pooled {
             Some((id, instance)) => {
@@ -461,13 +500,16 @@ impl Sandboxes {
                         // After whatever transition is under way: a pause to disk ends the
                         // sandbox's processes itself, and then takes the entry.
                         let _turn = this.transition.lock().await;
-                        s.remove_this(&this, "sandbox init exited").await;
+                        // The OOM killer having acted in it says why, where the host counts.
+                        let why = if this.oom_kills().unwrap_or(0) > 0 { EndReason::Oom } else { EndReason::Exited };
+                        s.remove_this(&this, why).await;
                     }
                 }
             });
         }
+        self.stats.created(entry.tier, &entry.template, source, started.elapsed());
         tracing::info!(
-            sandbox = %entry.id, template = %entry.template, timeout_s = req.timeout.as_secs(),
+            sandbox_id = %entry.id, template = %entry.template, timeout_s = req.timeout.as_secs(),
             cpus = entry.cpu_count, memory_mb = entry.memory_mb, ms = started.elapsed().as_millis() as u64,
             "sandbox created"
         );
@@ -479,7 +521,7 @@ impl Sandboxes {
     pub fn set_timeout(&self, id: &str, timeout: Duration) -> Option<Arc<LiveSandbox>> {
         let e = self.get(id).filter(|e| e.frozen_at().is_none())?;
         e.set_end_at(SystemTime::now() + timeout);
-        tracing::info!(sandbox = %id, timeout_s = timeout.as_secs(), "sandbox timeout set");
+        tracing::info!(sandbox_id = %id, timeout_s = timeout.as_secs(), "sandbox timeout set");
         Some(e)
     }
 
@@ -490,31 +532,29 @@ impl Sandboxes {
         if want > e.end_at() {
             e.set_end_at(want);
         }
-        tracing::info!(sandbox = %id, "sandbox connected");
+        tracing::info!(sandbox_id = %id, "sandbox connected");
         Some(e)
     }
 
     /// Takes a sandbox out of service at once (the data plane answers 502 from now on), then
-    /// destroys it. False when it was not live.
-    /// Removes and destroys `entry` if it is still the one listed under its id.
-    pub async fn remove_this(&self, entry: &Arc<LiveSandbox>, reason: &str) -> bool {
-        {
-            let mut list = self.write();
-            if !list.get(&entry.id).is_some_and(|now| Arc::ptr_eq(now, entry)) {
-                return false;
-            }
-            list.remove(&entry.id);
-        }
-        self.destroy(entry).await;
-        tracing::info!(sandbox = %entry.id, reason, "sandbox destroyed");
+    /// destroys it: `entry` if it is still the one listed under its id. False when it was not.
+    pub async fn remove_this(&self, entry: &Arc<LiveSandbox>, reason: EndReason) -> bool {
+        let Some(entry) = self.unlist(&entry.id, Some(entry)) else { return false };
+        self.end(&entry, reason).await;
         true
     }
 
-    pub async fn remove(&self, id: &str, reason: &str) -> bool {
-        let Some(entry) = self.write().remove(id) else { return false };
-        self.destroy(&entry).await;
-        tracing::info!(sandbox = %id, reason, "sandbox destroyed");
+    /// Takes the sandbox `id` out of service and destroys it. False when it was not live.
+    pub async fn remove(&self, id: &str, reason: EndReason) -> bool {
+        let Some(entry) = self.unlist(id, None) else { return false };
+        self.end(&entry, reason).await;
         true
+    }
+
+    async fn end(&self, entry: &Arc<LiveSandbox>, reason: EndReason) {
+        self.destroy(entry).await;
+        self.stats.ended(entry.tier, reason);
+        tracing::info!(sandbox_id = %entry.id, reason = %reason, "sandbox destroyed");
     }
 
     /// Ends a sandbox at its deadline: paused if its lifecycle says so (and the tier can),
@@ -529,22 +569,22 @@ impl Sandboxes {
                 // A pause to disk takes a while: the sweep goes on meanwhile.
                 tokio::spawn(async move {
                     match crate::pause::pause(&this, &e.id, memory, true).await {
-                        Ok(()) => tracing::info!(sandbox = %e.id, "sandbox paused at its timeout"),
+                        Ok(()) => tracing::info!(sandbox_id = %e.id, "sandbox paused at its timeout"),
                         Err(err) if err.status == StatusCode::CONFLICT => {}
                         Err(err) => {
-                            tracing::warn!(sandbox = %e.id, "auto-pause failed, the sandbox is killed instead: {}", err.message);
-                            this.remove(&e.id, "timeout (the pause failed)").await;
+                            tracing::warn!(sandbox_id = %e.id, "auto-pause failed, the sandbox is killed instead: {}", err.message);
+                            this.remove(&e.id, EndReason::PauseFailed).await;
                         }
                     }
                 });
             } else {
-                self.remove(&e.id, "timeout").await;
+                self.remove(&e.id, EndReason::Timeout).await;
             }
         }
         let ttl = self.saved.as_ref().map_or(crate::saved::DEFAULT_PAUSED_TTL, |s| s.paused_ttl());
         let stale: Vec<String> = self.read().values().filter(|e| e.frozen_at().is_some_and(|t| t + ttl <= now)).map(|e| e.id.clone()).collect();
         for id in stale {
-            self.remove(&id, "paused for longer than --paused-ttl").await;
+            self.remove(&id, EndReason::PausedTtl).await;
         }
         if let Some(saved) = &self.saved {
             saved.expire(now);
@@ -581,15 +621,15 @@ impl Sandboxes {
                         if let Some(gone) = self.take(&e.id) {
                             self.destroy(&gone).await;
                         }
-                        tracing::info!(sandbox = %e.id, "paused sandbox kept to its files across the shutdown");
+                        tracing::info!(sandbox_id = %e.id, "paused sandbox kept to its files across the shutdown");
                     }
-                    Err(err) => tracing::warn!(sandbox = %e.id, "cannot keep a paused sandbox across the shutdown: {}", err.message),
+                    Err(err) => tracing::warn!(sandbox_id = %e.id, "cannot keep a paused sandbox across the shutdown: {}", err.message),
                 }
             }
         }
         let ids: Vec<String> = self.read().keys().cloned().collect();
         let n = ids.len();
-        let tasks: Vec<_> = ids.into_iter().map(|id| async move { self.remove(&id, "server shutdown").await }).collect();
+        let tasks: Vec<_> = ids.into_iter().map(|id| async move { self.remove(&id, EndReason::Shutdown).await }).collect();
         for t in tasks {
             t.await;
         }
@@ -630,8 +670,8 @@ pub(crate) async fn destroy_instance(id: &str, mut instance: Box<dyn Sandbox>) {
     let result = tokio::task::spawn_blocking(move || instance.destroy()).await;
     match result {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(sandbox = %id, "{e}"),
-        Err(e) => tracing::warn!(sandbox = %id, "teardown panicked: {e}"),
+        Ok(Err(e)) => tracing::warn!(sandbox_id = %id, "{e}"),
+        Err(e) => tracing::warn!(sandbox_id = %id, "teardown panicked: {e}"),
     }
 }
 

@@ -249,7 +249,7 @@ impl Saved {
         for m in &r.volume_mounts {
             match api.store.lease_by_name(&m.name) {
                 Ok(l) => leases.push(l),
-                Err(e) => tracing::warn!(sandbox = %r.id, volume = %m.name, "a paused sandbox's volume cannot be held: {e}"),
+                Err(e) => tracing::warn!(sandbox_id = %r.id, volume = %m.name, "a paused sandbox's volume cannot be held: {e}"),
             }
         }
         self.holds.lock().unwrap_or_else(|p| p.into_inner()).insert(r.id.clone(), leases);
@@ -315,7 +315,7 @@ impl Saved {
         let Some(r) = self.take(id) else { return false };
         self.forget(id);
         self.drop_kept(&r).await;
-        tracing::info!(sandbox = %id, "paused sandbox deleted");
+        tracing::info!(sandbox_id = %id, "paused sandbox deleted");
         true
     }
 
@@ -325,7 +325,7 @@ impl Saved {
         for id in old {
             if let Some(r) = self.take(&id) {
                 self.forget(&id);
-                tracing::info!(sandbox = %id, "paused sandbox deleted: paused for longer than --paused-ttl");
+                tracing::info!(sandbox_id = %id, "paused sandbox deleted: paused for longer than --paused-ttl");
                 if let Some(dir) = self.kept_dir(&r) {
                     let _ = fs::remove_dir_all(dir);
                 }

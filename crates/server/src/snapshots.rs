@@ -235,7 +235,7 @@ pub async fn create(sandboxes: &Arc<Sandboxes>, id: &str, name: Option<&str>, me
     for old in replaced {
         saved.snapshots.drop_kept(saved, &old).await;
     }
-    tracing::info!(sandbox = %id, snapshot = %snap.snapshot_id(), image = %snap.image, "snapshot taken");
+    tracing::info!(sandbox_id = %id, snapshot = %snap.snapshot_id(), image = %snap.image, "snapshot taken");
     Ok(snap.to_json())
 }
 

@@ -92,6 +92,10 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.egress.blocked()
     }
 
+    fn flow_counts(&self) -> Option<cordon_sandbox::FlowCounts> {
+        self.egress.flow_counts()
+    }
+
     fn injected(&self) -> Vec<cordon_sandbox::Injected> {
         self.egress.injected()
     }
