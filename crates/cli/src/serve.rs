@@ -94,6 +94,20 @@ pub struct ServeArgs {
     /// sandbox's id on the lines about them).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// On SIGTERM or SIGINT: `destroy` every sandbox at once (one paused in place stays paused,
+    /// to its files), or `drain`: refuse new sandboxes, serve the live ones until they end or
+    /// --drain-grace passes, then destroy what is left.
+    #[arg(long, value_enum, default_value_t = ShutdownArg::Destroy)]
+    shutdown: ShutdownArg,
+    /// How long a draining shutdown waits for the live sandboxes to end (e.g. 10m).
+    #[arg(long, value_name = "DURATION", default_value = "5m")]
+    drain_grace: String,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum ShutdownArg {
+    Destroy,
+    Drain,
 }
 
 /// How `cordon serve` writes its log (`--log-format`).
@@ -123,6 +137,11 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     let pool_memory = match a.pool_memory.as_deref() {
         Some(s) => cordon_spec::parse_size(s).map_err(|e| usage(format!("--pool-memory: {}", e.reason)))?,
         None => host_memory() / 4,
+    };
+    let drain_grace = cordon_spec::parse_duration(&a.drain_grace).map_err(|e| usage(format!("--drain-grace: {}", e.reason)))?;
+    let shutdown_mode = match a.shutdown {
+        ShutdownArg::Destroy => cordon_server::ShutdownMode::Destroy,
+        ShutdownArg::Drain => cordon_server::ShutdownMode::Drain { grace: drain_grace },
     };
     let paused_ttl = cordon_spec::parse_duration(&a.paused_ttl).map_err(|e| usage(format!("--paused-ttl: {}", e.reason)))?;
     if let Some(d) = &a.domain {
@@ -249,7 +268,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         if !pools.is_empty() {
             cordon_server::pool::Pools::start(&app, pools, pool_memory);
         }
-        let served = cordon_server::serve(listener, app, shutdown()).await;
+        let served = cordon_server::serve_until(listener, app, shutdown(shutdown_mode), shutdown_mode).await;
         if let Some(m) = metrics {
             m.abort();
         }
@@ -303,9 +322,14 @@ fn prebuild(store: &cordon_image::Store, name: &str) -> Result<()> {
 }
 
 /// Resolves on the first SIGTERM or SIGINT.
-async fn shutdown() {
+async fn shutdown(mode: cordon_server::ShutdownMode) {
     let name = crate::stop_signal().await;
-    eprintln!("cordon serve: {name}: destroying every sandbox");
+    match mode {
+        cordon_server::ShutdownMode::Destroy => eprintln!("cordon serve: {name}: destroying every sandbox"),
+        cordon_server::ShutdownMode::Drain { grace } => {
+            eprintln!("cordon serve: {name}: draining: no new sandboxes; stopping once the live ones end, or in {}s", grace.as_secs())
+        }
+    }
 }
 
 /// TLS termination for header injection rules: the egress CA (made on first start) and the

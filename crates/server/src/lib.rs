@@ -164,9 +164,29 @@ where
     let _ = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(io), service).with_upgrades().await;
 }
 
+/// What a server does with its sandboxes when told to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownMode {
+    /// Destroys every sandbox at once (one paused in place is kept paused to its files).
+    Destroy,
+    /// Refuses new sandboxes and serves the live ones until they have all ended (killed,
+    /// timed out) or `grace` has passed, then destroys what is left.
+    Drain { grace: Duration },
+}
+
+/// How often a draining server looks whether its last sandbox has ended.
+const DRAIN_POLL: Duration = Duration::from_millis(250);
+
+/// [`serve_until`] with [`ShutdownMode::Destroy`].
 pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+    serve_until(listener, app, shutdown, ShutdownMode::Destroy).await
+}
+
+/// Serves `listener` until `shutdown` resolves, then ends as `mode` says.
+pub async fn serve_until(listener: TcpListener, app: Arc<App>, shutdown: impl Future<Output = ()>, mode: ShutdownMode) -> Result<(), ServerError> {
     let sweeper = tokio::spawn(lifecycle::sweep(app.sandboxes.clone()));
     tokio::pin!(shutdown);
+    let mut drain_until: Option<std::time::Instant> = None;
     loop {
         let stream = tokio::select! {
             r = listener.accept() => match r {
@@ -182,7 +202,21 @@ pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: impl Future<O
                     return Err(ServerError::Io { what: "accept".into(), source: e });
                 }
             },
-            () = &mut shutdown => break,
+            () = &mut shutdown, if drain_until.is_none() => match mode {
+                ShutdownMode::Destroy => break,
+                ShutdownMode::Drain { grace } => {
+                    app.sandboxes.begin_drain().await;
+                    tracing::info!(sandboxes = app.sandboxes.len(), grace_s = grace.as_secs(), "draining: new sandboxes refused; the server stops once the live ones end or the grace passes");
+                    drain_until = Some(std::time::Instant::now() + grace);
+                    continue;
+                }
+            },
+            () = tokio::time::sleep(DRAIN_POLL), if drain_until.is_some() => {
+                if app.sandboxes.is_empty() || drain_until.is_some_and(|t| std::time::Instant::now() >= t) {
+                    break;
+                }
+                continue;
+            }
         };
         let _ = stream.set_nodelay(true);
         let app = app.clone();

@@ -229,6 +229,8 @@ pub struct Sandboxes {
     pub(crate) pools: std::sync::OnceLock<Arc<crate::pool::Pools>>,
     /// What `GET /metrics` reports.
     pub stats: ServerMetrics,
+    /// Set once a draining shutdown began: creates are refused from then on.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 /// A slot under the concurrency limit, held while a create runs.
@@ -247,7 +249,7 @@ impl Sandboxes {
 
     /// A registry that can pause sandboxes to disk and snapshot them, through `saved`.
     pub fn with_saved(backend: Arc<dyn Backend>, max: usize, envd_version: String, saved: Option<crate::saved::Saved>) -> Arc<Sandboxes> {
-        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new(), pools: std::sync::OnceLock::new(), stats: ServerMetrics::default() })
+        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new(), pools: std::sync::OnceLock::new(), stats: ServerMetrics::default(), draining: Default::default() })
     }
 
     /// Makes every networked sandbox trust the egress CA (its certificate, PEM), so that
@@ -325,6 +327,9 @@ impl Sandboxes {
     }
 
     fn reserve(&self) -> Result<Reservation<'_>, ApiError> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down (--shutdown drain): it takes no new sandboxes; create on another server").no_retry());
+        }
         let pending = self.pending.fetch_add(1, Ordering::SeqCst) + 1;
         let r = Reservation(&self.pending);
         if self.len() + pending > self.max {
@@ -600,6 +605,15 @@ impl Sandboxes {
             if !saved.names_image(image) {
                 saved.drop_image(image).await;
             }
+        }
+    }
+
+    /// Refuses creates from now on and destroys the pools' waiting sandboxes: the first step of
+    /// a draining shutdown, whose live sandboxes go on until they end or its grace passes.
+    pub async fn begin_drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        if let Some(pools) = self.pools.get() {
+            pools.close().await;
         }
     }
 
