@@ -28,6 +28,7 @@ pub mod proxy;
 pub mod query;
 pub mod registry;
 pub mod routes;
+pub mod sandbox_logs;
 pub mod saved;
 pub mod secrets;
 pub mod snapshots;
