@@ -207,6 +207,8 @@ pub enum LinkEnd {
 /// cannot send it.
 pub const PARK_REQUEST: &[u8; 16] = b"\0cordon-park-v1\n";
 pub use park::{await_parked, await_resume, PARKED, RESUME};
+/// Go's name of a signal, as an end event's `status` (`signal: <name>`) spells it.
+pub use reaper::signal_name;
 
 /// The host asks here, before it checkpoints a gvisor sandbox, whether its processes can be
 /// saved: 204 when they can, 409 with the reason as text when not (see `saveable.rs`).

@@ -120,7 +120,7 @@ impl Reaper {
 }
 
 /// Go's names for signals (`syscall.Signal.String()`), which envd's status strings use.
-pub(crate) fn signal_name(sig: i32) -> String {
+pub fn signal_name(sig: i32) -> String {
     let name = match sig {
         libc::SIGHUP => "hangup",
         libc::SIGINT => "interrupt",

@@ -6,14 +6,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{anyhow, bail, Context, Result};
-use bytes::Bytes;
+use anyhow::Result;
 use clap::Args;
-use http_body_util::{BodyExt, Full};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
 use serde_json::Value;
 
+use crate::api_client::{self, Api, ServerArgs};
 use crate::usage;
 
 #[derive(Args, Debug)]
@@ -27,20 +24,12 @@ pub struct InspectArgs {
     /// e.g. {"cgroup": {"memoryBytes": 536870912}, "network": {"enabled": false}}.
     #[arg(long, value_name = "FILE")]
     expect: Option<PathBuf>,
-    /// The server, as http://HOST:PORT (default: $E2B_API_URL, else http://127.0.0.1:3000).
-    #[arg(long, env = "E2B_API_URL")]
-    server: Option<String>,
-    /// The server's API key (default: $E2B_API_KEY).
-    #[arg(long, env = "E2B_API_KEY", hide_env_values = true)]
-    api_key: Option<String>,
+    #[command(flatten)]
+    server: ServerArgs,
 }
 
 pub fn main(a: InspectArgs) -> Result<u8> {
-    let server = a.server.clone().unwrap_or_else(|| "http://127.0.0.1:3000".into());
-    let Some(authority) = server.strip_prefix("http://").map(|s| s.trim_end_matches('/').to_string()) else {
-        return Err(usage(format!("--server {server}: give http://HOST:PORT (for a TLS listener, inspect through a local port)")));
-    };
-    let key = a.api_key.clone().ok_or_else(|| usage("no API key: set E2B_API_KEY or give --api-key"))?;
+    let api = Api::new(&a.server)?;
     let expect: Option<Value> = match &a.expect {
         Some(p) => {
             let text = std::fs::read_to_string(p).map_err(|e| usage(format!("--expect {}: {e}", p.display())))?;
@@ -48,13 +37,8 @@ pub fn main(a: InspectArgs) -> Result<u8> {
         }
         None => None,
     };
-    let path = format!("/sandboxes/{}/isolation{}", a.id, if a.verify { "?verify=true" } else { "" });
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (status, body) = rt.block_on(get(&authority, &path, &key)).with_context(|| format!("ask {server}"))?;
-    let report: Value = serde_json::from_slice(&body).map_err(|_| anyhow!("{server} answered {status}: {}", String::from_utf8_lossy(&body)))?;
-    if status != 200 {
-        bail!("{server} answered {status}: {}", report["message"].as_str().unwrap_or("(no message)"));
-    }
+    let path = format!("/sandboxes/{}/isolation{}", api_client::check_id(&a.id)?, if a.verify { "?verify=true" } else { "" });
+    let report = api_client::runtime()?.block_on(api.get(&path))?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     let mut failed = Vec::new();
     if a.verify {
@@ -90,18 +74,6 @@ fn expected(want: &Value, got: &Value, at: String, out: &mut Vec<String>) {
         leaf if leaf != got => out.push(format!("{at}: expected {leaf}, the report has {got}")),
         _ => {}
     }
-}
-
-async fn get(authority: &str, path: &str, key: &str) -> Result<(u16, Bytes)> {
-    let stream = tokio::net::TcpStream::connect(authority).await?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let req = Request::get(path).header("host", authority).header("x-api-key", key).body(Full::new(Bytes::new()))?;
-    let resp = sender.send_request(req).await?;
-    let status = resp.status().as_u16();
-    Ok((status, resp.into_body().collect().await?.to_bytes()))
 }
 
 #[cfg(test)]

@@ -6,18 +6,26 @@
 //! - `/init` as PID 1: the guest init of a vm-tier sandbox;
 //! - everything else: the command line.
 
+mod api_client;
+mod audit;
 mod copy;
+mod cp;
 mod doctor;
 mod dockerfile;
+mod exec;
 mod image_cmd;
 mod inject;
 mod inspect;
+mod kill;
+mod logs;
 mod mcp;
 mod preflight;
 mod probe;
 mod progress;
+mod ps;
 mod run;
 mod serve;
+mod shell;
 mod state;
 mod template_build;
 mod tiers;
@@ -68,6 +76,20 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Print what this sandbox looks like from within, as JSON (run it inside a sandbox).
     Probe,
+    /// List a running server's sandboxes: id, template, tier, state, age, CPU, memory, network.
+    Ps(ps::PsArgs),
+    /// Run a command in a running sandbox, streaming its output; exits with its exit code.
+    Exec(exec::ExecArgs),
+    /// An interactive shell in a running sandbox (a PTY; Ctrl-C goes to the sandbox).
+    Shell(shell::ShellArgs),
+    /// Copy one file into or out of a sandbox: `cordon cp ./f ID:/path` or `cordon cp ID:/path ./f` (no directories).
+    Cp(cp::CpArgs),
+    /// Kill sandboxes of a running server.
+    Kill(kill::KillArgs),
+    /// What a sandbox's filters refused: denied syscalls, blocked connections.
+    Audit(audit::AuditArgs),
+    /// What a sandbox's template start command printed; --follow for more as it comes.
+    Logs(logs::LogsArgs),
 }
 
 /// An error the user caused (bad flag, unknown image): exit code 2.
@@ -124,6 +146,13 @@ fn main() -> ExitCode {
         Command::SeccompBpf { dir } => seccomp_bpf(&dir),
         Command::Mcp(a) => mcp::main(&state, a),
         Command::Inspect(a) => inspect::main(a),
+        Command::Ps(a) => ps::main(a),
+        Command::Exec(a) => exec::main(a),
+        Command::Shell(a) => shell::main(a),
+        Command::Cp(a) => cp::main(a),
+        Command::Kill(a) => kill::main(a),
+        Command::Audit(a) => audit::main(a),
+        Command::Logs(a) => logs::main(a),
         Command::Probe => {
             println!("{}", probe::report());
             Ok(0)
@@ -145,8 +174,12 @@ fn clap_one_line(e: &clap::Error) -> String {
     let msg: Vec<&str> = text.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
     let msg = msg.join(" ");
     let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
-    if e.kind() == clap::error::ErrorKind::UnknownArgument && std::env::args().nth(1).as_deref() == Some("run") {
-        return format!("{msg}: put the command after --, as in `cordon run -- python3 -c 'print(1)'`");
+    if e.kind() == clap::error::ErrorKind::UnknownArgument {
+        match std::env::args().nth(1).as_deref() {
+            Some("run") => return format!("{msg}: put the command after --, as in `cordon run -- python3 -c 'print(1)'`"),
+            Some("exec") => return format!("{msg}: put the command after --, as in `cordon exec ID -- ls -l`"),
+            _ => {}
+        }
     }
     format!("{msg} (see --help)")
 }

@@ -1,4 +1,5 @@
-//! A client for envd (or `cordon-agent`) listening on a Unix socket.
+//! A client for envd (or `cordon-agent`) listening on a Unix socket, or reached through a
+//! `cordon serve` over TCP (the server routes by the sandbox's id and checks its access token).
 //!
 //! Each call opens its own HTTP/1.1 connection, which keeps the client free of pooling state and
 //! makes dropping a stream close exactly that stream's connection, as a disconnecting SDK does.
@@ -16,7 +17,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::net::UnixStream;
+use tokio::net::{TcpStream, UnixStream};
 
 use crate::connect::{
     encode_message, is_connect_json, ConnectError, EnvelopeDecoder, CONTENT_TYPE_CONNECT_JSON,
@@ -49,13 +50,36 @@ pub fn basic_auth(user: &str) -> String {
 #[derive(Clone, Debug)]
 pub struct EnvdClient {
     socket: PathBuf,
+    /// Set for a sandbox reached through a server instead of its socket.
+    remote: Option<Remote>,
     max_download: usize,
+}
+
+/// A sandbox's envd behind a `cordon serve` (or E2B-compatible) data plane.
+#[derive(Clone, Debug)]
+struct Remote {
+    /// `host:port` of the server's plain HTTP listener.
+    authority: String,
+    sandbox_id: HeaderValue,
+    access_token: HeaderValue,
 }
 
 impl EnvdClient {
     /// A client for the agent listening on `socket`.
     pub fn new(socket: PathBuf) -> Self {
-        Self { socket, max_download: DEFAULT_MAX_DOWNLOAD }
+        Self { socket, remote: None, max_download: DEFAULT_MAX_DOWNLOAD }
+    }
+
+    /// A client for sandbox `sandbox_id`'s envd through the server at `authority` (`host:port`,
+    /// plain HTTP): each request carries `E2b-Sandbox-Id` and the sandbox's envd access token.
+    pub fn remote(authority: &str, sandbox_id: &str, access_token: &str) -> Result<Self> {
+        let header = |what: &str, v: &str| HeaderValue::from_str(v).map_err(|_| Error::Protocol(format!("{what} {v:?} cannot be sent in a header")));
+        let remote = Remote {
+            authority: authority.to_string(),
+            sandbox_id: header("sandbox id", sandbox_id)?,
+            access_token: header("access token", access_token)?,
+        };
+        Ok(Self { socket: PathBuf::new(), remote: Some(remote), max_download: DEFAULT_MAX_DOWNLOAD })
     }
 
     /// Sets the largest file [`EnvdClient::download_file`] reads into memory.
@@ -64,19 +88,24 @@ impl EnvdClient {
         self
     }
 
-    /// The socket path.
+    /// The socket path (empty for a client made by [`EnvdClient::remote`]).
     pub fn socket(&self) -> &Path {
         &self.socket
     }
 
-    async fn send(&self, req: Request<Full<Bytes>>) -> Result<Response<Incoming>> {
-        let stream = UnixStream::connect(&self.socket).await?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        tokio::spawn(async move {
-            // The connection ends with the response body; its error, if any, surfaces there.
-            let _ = conn.await;
-        });
-        Ok(sender.send_request(req).await?)
+    async fn send(&self, mut req: Request<Full<Bytes>>) -> Result<Response<Incoming>> {
+        let Some(remote) = &self.remote else {
+            let stream = UnixStream::connect(&self.socket).await?;
+            return send_on(stream, req).await;
+        };
+        let h = req.headers_mut();
+        h.insert(HOST, HeaderValue::from_str(&remote.authority).map_err(|_| Error::Protocol(format!("server {:?} is not a host:port", remote.authority)))?);
+        h.insert("e2b-sandbox-id", remote.sandbox_id.clone());
+        h.insert("x-access-token", remote.access_token.clone());
+        let stream = TcpStream::connect(&remote.authority).await?;
+        // Interactive streams (a shell's keystrokes) should not wait for Nagle.
+        let _ = stream.set_nodelay(true);
+        send_on(stream, req).await
     }
 
     fn request(
@@ -344,6 +373,19 @@ impl EnvdClient {
             delay = (delay * 2).min(Duration::from_millis(100));
         }
     }
+}
+
+/// One request on a fresh HTTP/1.1 connection over `stream`.
+async fn send_on<S>(stream: S, req: Request<Full<Bytes>>) -> Result<Response<Incoming>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        // The connection ends with the response body; its error, if any, surfaces there.
+        let _ = conn.await;
+    });
+    Ok(sender.send_request(req).await?)
 }
 
 fn files_uri(path: &str, user: Option<&str>) -> String {

@@ -99,6 +99,7 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         }
         (&Method::GET, false, ["sandboxes", id, "metrics"]) => metrics(app, id, req.uri().query()),
         (&Method::GET, false, ["sandboxes", id, "audit"]) => audit(app, id),
+        (&Method::GET, v2, ["sandboxes", id, "logs"]) => logs(app, id, v2, req.uri().query()),
         (&Method::GET, false, ["sandboxes", id, "isolation"]) => {
             let verify = req.uri().query().is_some_and(|q| q.split('&').any(|kv| kv == "verify=true" || kv == "verify=1"));
             isolation(app, id, verify).await
@@ -441,6 +442,7 @@ pub fn detail_json(e: &LiveSandbox, domain: Option<&str>) -> Value {
         "memoryMB": e.memory_mb,
         "diskSizeMB": e.disk_mb,
         "state": if frozen.is_some() { "paused" } else { "running" },
+        "tier": e.tier.as_str(),
         "metadata": e.metadata,
         "domain": domain,
         "lifecycle": e.lifecycle.to_json(),
@@ -468,6 +470,7 @@ pub fn saved_json(r: &crate::saved::Record, domain: Option<&str>) -> Value {
         "memoryMB": r.memory_mb,
         "diskSizeMB": r.disk_mb,
         "state": "paused",
+        "tier": r.tier.as_str(),
         "pauseMode": r.mode().as_str(),
         "metadata": r.metadata,
         "domain": domain,
@@ -668,6 +671,17 @@ fn audit(app: &Arc<App>, id: &str) -> Result<Response<Body>, ApiError> {
         StatusCode::OK,
         &json!({"sandboxID": e.id, "deniedSyscalls": e.denials(), "blockedConnections": e.blocked(), "injectedHeaders": e.injected()}),
     ))
+}
+
+/// E2B's logs: what the sandbox's start command printed (see [`crate::sandbox_logs`]). A
+/// sandbox paused to its files has none kept.
+fn logs(app: &Arc<App>, id: &str, v2: bool, q: Option<&str>) -> Result<Response<Body>, ApiError> {
+    let kept = match app.sandboxes.get(id) {
+        Some(e) => e.logs.clone(),
+        None if app.sandboxes.saved.as_ref().and_then(|s| s.get(id)).is_some() => Default::default(),
+        None => return Err(not_found(id)),
+    };
+    Ok(json_response(StatusCode::OK, &crate::sandbox_logs::answer(&kept, v2, q)?))
 }
 
 /// cordon's extension: the sandbox's isolation report, checked from inside with `verify`.

@@ -30,6 +30,7 @@ pub mod query;
 pub mod request_id;
 pub mod registry;
 pub mod routes;
+pub mod sandbox_logs;
 pub mod saved;
 pub mod secrets;
 pub mod server_metrics;

@@ -91,6 +91,8 @@ impl std::str::FromStr for PoolConfig {
 struct Waiting {
     id: String,
     instance: Box<dyn Sandbox>,
+    /// Its start command's output since it started (see [`crate::sandbox_logs`]).
+    logs: Arc<crate::sandbox_logs::SandboxLogs>,
     since: Instant,
 }
 
@@ -190,9 +192,9 @@ impl Pools {
     }
 
     /// A pooled sandbox for `req`, given `req`'s caps, network and environment, as (its id,
-    /// its instance); `None` when no pool matches or holds one, or the hand-over failed (the
+    /// (its instance, its start command's log)); `None` when no pool matches or holds one, or the hand-over failed (the
     /// create then starts its own).
-    pub async fn take(&self, req: &NewSandbox, resizable: bool) -> Option<(String, Box<dyn Sandbox>)> {
+    pub async fn take(&self, req: &NewSandbox, resizable: bool) -> Option<(String, (Box<dyn Sandbox>, Arc<crate::sandbox_logs::SandboxLogs>))> {
         if self.closed.load(Ordering::SeqCst) {
             return None;
         }
@@ -208,12 +210,12 @@ impl Pools {
                 destroy_instance(&w.id, w.instance).await;
                 continue;
             }
-            let Waiting { id, instance, .. } = w;
+            let Waiting { id, instance, logs, .. } = w;
             let shape = pool.shape.get().expect("a pool that matched has its shape");
             return match hand_over(instance, shape, req).await {
                 Ok(instance) => {
                     pool.taken.fetch_add(1, Ordering::Relaxed);
-                    Some((id, instance))
+                    Some((id, (instance, logs)))
                 }
                 Err((instance, why)) => {
                     tracing::warn!(sandbox_id = %id, template = %pool.config.template, "a pooled sandbox could not be handed over ({why}): destroyed, the create starts its own");
@@ -369,10 +371,10 @@ async fn fill(app: Arc<App>, pools: Arc<Pools>, i: usize) {
             let started = app.sandboxes.start(&spec, &template).await;
             pool.starting.fetch_sub(1, Ordering::SeqCst);
             match started {
-                Ok(instance) if closed() => destroy_instance(&spec.id, instance).await,
-                Ok(instance) => {
+                Ok((instance, _)) if closed() => destroy_instance(&spec.id, instance).await,
+                Ok((instance, logs)) => {
                     backoff = Backoff::default();
-                    pool.ready().push_back(Waiting { id: spec.id, instance, since: Instant::now() });
+                    pool.ready().push_back(Waiting { id: spec.id, instance, logs, since: Instant::now() });
                 }
                 Err(e) => {
                     tracing::warn!(template = %template, "pool: a start failed: {}; retrying in {:?}", e.message, backoff.delay);

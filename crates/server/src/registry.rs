@@ -65,6 +65,8 @@ pub struct LiveSandbox {
     pub streams: Arc<tokio::sync::Semaphore>,
     /// Its readings so far (see [`crate::metrics`]).
     pub metrics: crate::metrics::History,
+    /// What its template's start command printed (see [`crate::sandbox_logs`]).
+    pub logs: Arc<crate::sandbox_logs::SandboxLogs>,
     end_at: Mutex<SystemTime>,
     instance: Mutex<Option<Box<dyn Sandbox>>>,
     /// Its `volumeMounts`, as info shows them.
@@ -386,9 +388,9 @@ impl Sandboxes {
     }
 
     /// Starts `spec`'s sandbox and returns once its agent answers and its template's start
-    /// command is up (not for a sandbox restored with its memory: its service runs already).
-    /// On an error nothing of it is left.
-    pub(crate) async fn start(&self, spec: &SandboxSpec, template: &str) -> Result<Box<dyn Sandbox>, ApiError> {
+    /// command is up (not for a sandbox restored with its memory: its service runs already),
+    /// with the log that command's output goes to. On an error nothing of it is left.
+    pub(crate) async fn start(&self, spec: &SandboxSpec, template: &str) -> Result<(Box<dyn Sandbox>, Arc<crate::sandbox_logs::SandboxLogs>), ApiError> {
         let instance = served::create(self.backend.clone(), spec)
             .await
             .map_err(ApiError::internal)?
@@ -407,14 +409,15 @@ impl Sandboxes {
             destroy_instance(&spec.id, instance).await;
             return Err(ApiError::internal(format!("the sandbox's agent did not start: {e}")));
         }
+        let logs = Arc::new(crate::sandbox_logs::SandboxLogs::default());
         if let Some(start) = instance.start_command().filter(|_| spec.restore.is_none()).cloned() {
-            if let Err(e) = crate::start_command::run(&socket, &start, instance.slowdown()).await {
+            if let Err(e) = crate::start_command::run(&socket, &start, instance.slowdown(), &logs).await {
                 destroy_instance(&spec.id, instance).await;
                 tracing::warn!(sandbox_id = %spec.id, template, "start command failed: {e}");
                 return Err(ApiError::internal(format!("template '{template}': {e}")));
             }
         }
-        Ok(instance)
+        Ok((instance, logs))
     }
 
     /// Creates a sandbox that is `who` (a new one, or a saved one resumed) and returns once its
@@ -441,10 +444,10 @@ impl Sandboxes {
             (None, true) => Source::Cold,
             (None, false) => Source::Restore,
         };
-        let (instance, leases) = match pooled {
-            Some((id, instance)) => {
+        let ((instance, logs), leases) = match pooled {
+            Some((id, started)) => {
                 who.id = id;
-                (instance, Vec::new())
+                (started, Vec::new())
             }
             None => {
                 let mut spec = self.spec_for(&req, who.id.clone());
@@ -486,6 +489,7 @@ impl Sandboxes {
             socket: socket.clone(),
             streams: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS_PER_SANDBOX)),
             metrics: Default::default(),
+            logs,
             end_at: Mutex::new(SystemTime::now() + req.timeout),
             instance: Mutex::new(Some(instance)),
             volume_mounts: req.volume_mounts,

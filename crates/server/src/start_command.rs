@@ -3,15 +3,19 @@
 //!
 //! It goes through the agent like any command (so it runs as the sandbox's user, under the
 //! sandbox's caps, in every tier), and the create is answered only once the service's port
-//! accepts connections inside the sandbox. Its output is kept until then, so that a service
-//! that dies on the way says why in the create's error.
+//! accepts connections inside the sandbox. Its output goes to the sandbox's log ring
+//! ([`crate::sandbox_logs`]) for as long as it runs, and its last bytes until it is ready, so
+//! that a service that dies on the way says why in the create's error.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cordon_envd::process::{DataEvent, ProcessConfig, ProcessEvent, StartRequest};
-use cordon_envd::EnvdClient;
+use cordon_envd::{EnvdClient, ProcessStream};
 use cordon_image::StartCommand;
+
+use crate::sandbox_logs::{SandboxLogs, Stream};
 
 /// How many times slower than the host the sandbox runs code, told to the start command (see
 /// [`cordon_sandbox::Sandbox::slowdown`]).
@@ -113,11 +117,28 @@ impl Tail {
     }
 }
 
-/// Starts `start` in the sandbox behind `socket` and waits until it is ready. `slowdown`
+/// Keeps what a ready start command prints in `logs` until it ends (or its sandbox does, which
+/// closes the stream).
+fn keep_logging(mut stream: ProcessStream, logs: Arc<SandboxLogs>) {
+    tokio::spawn(async move {
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(ProcessEvent::Data(DataEvent::Stdout(b) | DataEvent::Pty(b))) => logs.push(Stream::Stdout, &b),
+                Ok(ProcessEvent::Data(DataEvent::Stderr(b))) => logs.push(Stream::Stderr, &b),
+                Ok(ProcessEvent::End(_)) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        logs.finish();
+    });
+}
+
+/// Starts `start` in the sandbox behind `socket` and waits until it is ready, its output going
+/// to `logs` from the first byte. `slowdown`
 /// (see [`cordon_sandbox::Sandbox::slowdown`]) stretches the image's readiness timeout and the
 /// polling: under an emulated CPU the service starts that many times slower, and each probe
 /// costs the guest that much more.
-pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(), StartError> {
+pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32, logs: &Arc<SandboxLogs>) -> Result<(), StartError> {
     let (program, args) = start.cmd.split_first().ok_or(StartError::Empty)?;
     let shown = start.cmd.join(" ");
     let client = EnvdClient::new(socket.to_path_buf());
@@ -143,9 +164,11 @@ pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(
     let ready = match (start.ready_port, &start.ready_cmd) {
         (Some(port), _) => Ready::Port(port),
         (None, Some(cmd)) => Ready::Cmd(cmd.clone()),
-        // Nothing to wait for. Dropping the stream leaves the process running: the agent never
-        // ends a process because its client went away.
-        (None, None) => return Ok(()),
+        // Nothing to wait for.
+        (None, None) => {
+            keep_logging(stream, logs.clone());
+            return Ok(());
+        }
     };
     let slowdown = slowdown.max(1);
     let ready_secs = start.ready_timeout_secs.saturating_mul(u64::from(slowdown));
@@ -165,6 +188,7 @@ pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(
             match probe {
                 Ok(true) => {
                     tracing::debug!(%ready, ms = started.elapsed().as_millis() as u64, "start command ready");
+                    keep_logging(stream, logs.clone());
                     return Ok(());
                 }
                 Ok(false) => {}
@@ -179,7 +203,12 @@ pub async fn run(socket: &Path, start: &StartCommand, slowdown: u32) -> Result<(
         // Meanwhile, keep its output and notice if it ends.
         match tokio::time::timeout_at(next_probe.into(), stream.next()).await {
             Err(_) => {}
-            Ok(Some(Ok(ProcessEvent::Data(DataEvent::Stdout(b) | DataEvent::Stderr(b) | DataEvent::Pty(b))))) => {
+            Ok(Some(Ok(ProcessEvent::Data(DataEvent::Stdout(b) | DataEvent::Pty(b))))) => {
+                logs.push(Stream::Stdout, &b);
+                tail.push(&b)
+            }
+            Ok(Some(Ok(ProcessEvent::Data(DataEvent::Stderr(b))))) => {
+                logs.push(Stream::Stderr, &b);
                 tail.push(&b)
             }
             Ok(Some(Ok(ProcessEvent::End(end)))) => {
