@@ -105,6 +105,7 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         }
         (_, false, ["volumes", ..]) => volumes(app)?.handle(&method, &segs.1, req).await,
         (_, false, ["secrets", ..]) => crate::secrets::handle(secrets(app)?, &method, &segs.1, req).await,
+        (&Method::GET, false, ["templates"]) => Ok(json_response(StatusCode::OK, &crate::template_list::list(app)?)),
         (&Method::GET, false, ["templates", "aliases", alias]) => template_alias(app, alias),
         (&Method::POST, false, ["v3", "templates"]) => templates(app)?.request(req).await,
         (&Method::GET, false, ["templates", id, "files", hash]) => {
@@ -421,6 +422,7 @@ pub fn detail_json(e: &LiveSandbox, domain: Option<&str>) -> Value {
         "cpuCount": e.cpu_count,
         "memoryMB": e.memory_mb,
         "diskSizeMB": e.disk_mb,
+        "tier": e.tier.as_str(),
         "state": if frozen.is_some() { "paused" } else { "running" },
         "metadata": e.metadata,
         "domain": domain,
@@ -448,6 +450,7 @@ pub fn saved_json(r: &crate::saved::Record, domain: Option<&str>) -> Value {
         "cpuCount": r.cpu_count,
         "memoryMB": r.memory_mb,
         "diskSizeMB": r.disk_mb,
+        "tier": r.tier.as_str(),
         "state": "paused",
         "pauseMode": r.mode().as_str(),
         "metadata": r.metadata,

@@ -32,6 +32,7 @@ pub mod saved;
 pub mod secrets;
 pub mod snapshots;
 pub mod start_command;
+pub mod template_list;
 pub mod templates;
 pub mod tls;
 pub mod traffic;
