@@ -56,6 +56,10 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         let rest = rest.to_string();
         return crate::volume_content::handle(volumes(app)?, &method, &rest, req).await;
     }
+    // The dashboard's files hold no data; its terminal checks the key in its first message.
+    if crate::ui::is_ui_path(req.uri().path()) {
+        return Ok(crate::ui::handle(app, req).await);
+    }
     auth::check_api_key(req.headers(), &app.api_key)?;
     let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let segs = match segs.as_slice() {
