@@ -145,7 +145,10 @@ async function login(ev) {
   $("login-error").textContent = "";
   if (!key) { $("login-error").textContent = "Paste the API key."; return; }
   // Checked against the API before it is kept: a wrong key shows an error and no data.
-  const r = await fetch("/sandboxes", { headers: { "X-API-KEY": key }, cache: "no-store", credentials: "omit" });
+  let r;
+  try {
+    r = await fetch("/sandboxes", { headers: { "X-API-KEY": key }, cache: "no-store", credentials: "omit" });
+  } catch (e) { $("login-error").textContent = "Cannot reach the server: " + e.message; return; }
   if (r.status === 401) { $("login-error").textContent = "Invalid API key."; return; }
   if (!r.ok) { $("login-error").textContent = "The server answered " + r.status + "."; return; }
   apiKey = key;
