@@ -108,7 +108,7 @@ class Page:
         return self.eval(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); return e ? e.textContent : null; }})()")
 
     def visible(self, selector):
-        return self.eval(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); return !!e && !e.closest('[hidden]'); }})()")
+        return self.eval(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); return !!e && e.getClientRects().length > 0; }})()")
 
     def click(self, selector):
         assert self.eval(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); if (!e) return false; e.click(); return true; }})()"), selector
@@ -255,12 +255,13 @@ def test_terminal_socket_checks_key_and_origin():
 def test_dashboard_flow(page):
     page.goto(f"{API_URL}/ui/")
     assert page.visible("#login-view")
+    assert not page.visible("#nav") and not page.visible("#sandboxes-view")
     page.shot("01-login")
 
     # A wrong key: an error, no data, nothing kept.
     login(page, WRONG_KEY)
     deadline_poll(lambda: "Invalid API key" in (page.text("#login-error") or ""), "the wrong key's error")
-    assert not page.visible("#sandboxes-view")
+    assert not page.visible("#sandboxes-view") and not page.visible("#nav")
     assert page.eval("document.querySelectorAll('#sandboxes-body tr').length") == 0
     assert page.eval("sessionStorage.getItem('cordon.apiKey')") is None
     page.shot("02-wrong-key")
@@ -272,6 +273,17 @@ def test_dashboard_flow(page):
     assert page.eval("document.cookie") == ""
     assert API_KEY not in page.eval("location.href")
     page.shot("03-logged-in")
+
+    # Templates and images with their sizes; the pools.
+    page.click("#nav-templates")
+    deadline_poll(lambda: page.visible("#templates-view") and page.text("#templates-body tr[data-id='base']"), "the base template's row")
+    assert re.search(r"\d+(\.\d)? (MiB|GiB)", page.text("#templates-body tr[data-id='base']")), page.text("#templates-body tr[data-id='base']")
+    page.shot("03a-templates")
+    page.click("#nav-pools")
+    deadline_poll(lambda: "Memory budget" in (page.text("#pools-budget") or ""), "the pools view")
+    page.shot("03b-pools")
+    page.click("#nav-sandboxes")
+    deadline_poll(lambda: page.visible("#sandboxes-view"), "the sandbox list again")
 
     sbx = Sandbox.create(timeout=300, metadata={"suite": "cordon", "owner": "ui-test"})
     try:
