@@ -60,6 +60,10 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         auth::check_scrape_key(req.headers(), &app.api_key)?;
         return metrics_text(app, &method, req.headers());
     }
+    // The dashboard's files hold no data; its terminal checks the key in its first message.
+    if crate::ui::is_ui_path(req.uri().path()) {
+        return Ok(crate::ui::handle(app, req).await);
+    }
     auth::check_api_key(req.headers(), &app.api_key)?;
     let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let segs = match segs.as_slice() {
@@ -110,6 +114,7 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
         }
         (_, false, ["volumes", ..]) => volumes(app)?.handle(&method, &segs.1, req).await,
         (_, false, ["secrets", ..]) => crate::secrets::handle(secrets(app)?, &method, &segs.1, req).await,
+        (&Method::GET, false, ["templates"]) => Ok(json_response(StatusCode::OK, &crate::template_list::list(app)?)),
         (&Method::GET, false, ["templates", "aliases", alias]) => template_alias(app, alias),
         (&Method::POST, false, ["v3", "templates"]) => templates(app)?.request(req).await,
         (&Method::GET, false, ["templates", id, "files", hash]) => {
@@ -441,8 +446,8 @@ pub fn detail_json(e: &LiveSandbox, domain: Option<&str>) -> Value {
         "cpuCount": e.cpu_count,
         "memoryMB": e.memory_mb,
         "diskSizeMB": e.disk_mb,
-        "state": if frozen.is_some() { "paused" } else { "running" },
         "tier": e.tier.as_str(),
+        "state": if frozen.is_some() { "paused" } else { "running" },
         "metadata": e.metadata,
         "domain": domain,
         "lifecycle": e.lifecycle.to_json(),
@@ -469,8 +474,8 @@ pub fn saved_json(r: &crate::saved::Record, domain: Option<&str>) -> Value {
         "cpuCount": r.cpu_count,
         "memoryMB": r.memory_mb,
         "diskSizeMB": r.disk_mb,
-        "state": "paused",
         "tier": r.tier.as_str(),
+        "state": "paused",
         "pauseMode": r.mode().as_str(),
         "metadata": r.metadata,
         "domain": domain,

@@ -126,6 +126,27 @@ struct LogEntry {
     step: Option<String>,
 }
 
+/// A built template as `GET /templates` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TemplateSummary {
+    pub id: String,
+    pub names: Vec<String>,
+    pub cpu_count: Option<u32>,
+    pub memory_mb: Option<u64>,
+    /// When its first and latest builds were requested (RFC 3339).
+    pub created: Option<String>,
+    pub updated: Option<String>,
+    pub build_count: usize,
+    /// The build a create gets (the latest ready one), else the latest.
+    pub build_id: Option<String>,
+    /// The latest build's status: `waiting`, `building`, `ready`, `error`.
+    pub build_status: Option<String>,
+    /// The store image of the latest ready build.
+    pub ready_image: Option<String>,
+    /// The store images of all its builds.
+    pub images: Vec<String>,
+}
+
 /// The template record, the build logs of this run, and the builder.
 pub struct Templates {
     dir: PathBuf,
@@ -564,6 +585,30 @@ impl Templates {
         let mut r = Response::new(crate::full(Bytes::new()));
         *r.status_mut() = StatusCode::NO_CONTENT;
         Ok(r)
+    }
+
+    /// Every built template, for `GET /templates` (see [`crate::template_list`]).
+    pub fn summaries(&self) -> Vec<TemplateSummary> {
+        let db = self.db.lock().expect("db lock");
+        db.templates
+            .iter()
+            .map(|(id, t)| {
+                let latest = t.builds.last();
+                TemplateSummary {
+                    id: id.clone(),
+                    names: t.names.clone(),
+                    cpu_count: t.cpu_count,
+                    memory_mb: t.memory_mb,
+                    created: t.builds.first().map(|b| b.created.clone()),
+                    updated: latest.map(|b| b.created.clone()),
+                    build_count: t.builds.len(),
+                    build_id: t.builds.iter().rev().find(|b| b.status == "ready").or(latest).map(|b| b.id.clone()),
+                    build_status: latest.map(|b| b.status.clone()),
+                    ready_image: t.builds.iter().rev().find(|b| b.status == "ready").map(|b| b.image.clone()),
+                    images: t.builds.iter().map(|b| b.image.clone()).collect(),
+                }
+            })
+            .collect()
     }
 
     /// `GET /templates/{id}/tags`.
