@@ -6,6 +6,7 @@
 //! - `/init` as PID 1: the guest init of a vm-tier sandbox;
 //! - everything else: the command line.
 
+mod config_file;
 mod copy;
 mod doctor;
 mod dockerfile;
@@ -99,9 +100,14 @@ fn main() -> ExitCode {
         cordon_jail::jailer::main();
     }
 
-    let cli = match Cli::try_parse() {
+    // `cordon serve` takes the flags the command line leaves unset from its configuration file.
+    let cli = match config_file::parse::<Cli>(std::env::args_os().collect(), std::path::Path::new(config_file::DEFAULT_PATH)) {
         Ok(cli) => cli,
-        Err(e) => {
+        Err(config_file::ParseError::Config(e)) => {
+            eprintln!("cordon: {e}");
+            return ExitCode::from(2);
+        }
+        Err(config_file::ParseError::Clap(e)) => {
             use clap::error::ErrorKind::*;
             if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
                 e.exit();

@@ -81,6 +81,11 @@ pub struct ServeArgs {
     /// refilling at it. Default: a quarter of the host's memory.
     #[arg(long, value_name = "SIZE", requires = "pool")]
     pool_memory: Option<String>,
+    /// Settings file: every flag here under its long name (`listen = "0.0.0.0:3000"`,
+    /// `pool = ["base=4"]`); flags given here override it. Default: /etc/cordon/cordon.toml,
+    /// when it exists (`--config /dev/null` reads none).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -139,6 +144,9 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     if matches!(cordon_sandbox::image::lookup(&store, "base"), Ok(cordon_sandbox::image::Lookup::Build)) {
         eprintln!("cordon serve: building the default image `base` in the background (about a minute, once; --prebuild base waits for it)");
         builds.begin(&store, "base");
+    }
+    if let Some(config) = &a.config {
+        eprintln!("cordon serve: settings from {} (flags given override them)", config.display());
     }
     let api_key = match a.api_key.filter(|k| !k.is_empty()) {
         Some(k) => k,
