@@ -18,6 +18,7 @@ mod preflight;
 mod probe;
 mod progress;
 mod run;
+mod sd_notify;
 mod serve;
 mod state;
 mod template_build;

@@ -228,6 +228,8 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         if !pools.is_empty() {
             cordon_server::pool::Pools::start(&app, pools, pool_memory);
         }
+        // The listener is bound (connections queue from here) and every --prebuild image is in.
+        crate::sd_notify::notify(&format!("READY=1\nSTATUS=listening on {scheme}://{addr}"));
         cordon_server::serve(listener, app, shutdown()).await?;
         tracing::info!("stopped");
         Ok::<_, anyhow::Error>(())
@@ -281,6 +283,7 @@ fn prebuild(store: &cordon_image::Store, name: &str) -> Result<()> {
 async fn shutdown() {
     let name = crate::stop_signal().await;
     eprintln!("cordon serve: {name}: destroying every sandbox");
+    crate::sd_notify::notify(&format!("STOPPING=1\nSTATUS={name}: destroying every sandbox"));
 }
 
 /// TLS termination for header injection rules: the egress CA (made on first start) and the
