@@ -8,6 +8,7 @@
 
 mod api_client;
 mod audit;
+mod config_file;
 mod copy;
 mod cp;
 mod doctor;
@@ -24,6 +25,7 @@ mod probe;
 mod progress;
 mod ps;
 mod run;
+mod sd_notify;
 mod serve;
 mod shell;
 mod state;
@@ -121,9 +123,14 @@ fn main() -> ExitCode {
         cordon_jail::jailer::main();
     }
 
-    let cli = match Cli::try_parse() {
+    // `cordon serve` takes the flags the command line leaves unset from its configuration file.
+    let cli = match config_file::parse::<Cli>(std::env::args_os().collect(), std::path::Path::new(config_file::DEFAULT_PATH)) {
         Ok(cli) => cli,
-        Err(e) => {
+        Err(config_file::ParseError::Config(e)) => {
+            eprintln!("cordon: {e}");
+            return ExitCode::from(2);
+        }
+        Err(config_file::ParseError::Clap(e)) => {
             use clap::error::ErrorKind::*;
             if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
                 e.exit();

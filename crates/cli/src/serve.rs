@@ -102,6 +102,11 @@ pub struct ServeArgs {
     /// How long a draining shutdown waits for the live sandboxes to end (e.g. 10m).
     #[arg(long, value_name = "DURATION", default_value = "5m")]
     drain_grace: String,
+    /// Settings file: every flag here under its long name (`listen = "0.0.0.0:3000"`,
+    /// `pool = ["base=4"]`); flags given here override it. Default: /etc/cordon/cordon.toml,
+    /// when it exists (`--config /dev/null` reads none).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -178,6 +183,9 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     if matches!(cordon_sandbox::image::lookup(&store, "base"), Ok(cordon_sandbox::image::Lookup::Build)) {
         eprintln!("cordon serve: building the default image `base` in the background (about a minute, once; --prebuild base waits for it)");
         builds.begin(&store, "base");
+    }
+    if let Some(config) = &a.config {
+        eprintln!("cordon serve: settings from {} (flags given override them)", config.display());
     }
     let api_key = match a.api_key.filter(|k| !k.is_empty()) {
         Some(k) => k,
@@ -268,7 +276,9 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         if !pools.is_empty() {
             cordon_server::pool::Pools::start(&app, pools, pool_memory);
         }
-        let served = cordon_server::serve_until(listener, app, shutdown(shutdown_mode), shutdown_mode).await;
+        // The listener is bound (connections queue from here) and every --prebuild image is in.
+        crate::sd_notify::notify(&format!("READY=1\nSTATUS=listening on {scheme}://{addr}"));
+                let served = cordon_server::serve_until(listener, app, shutdown(shutdown_mode), shutdown_mode).await;
         if let Some(m) = metrics {
             m.abort();
         }
@@ -325,9 +335,13 @@ fn prebuild(store: &cordon_image::Store, name: &str) -> Result<()> {
 async fn shutdown(mode: cordon_server::ShutdownMode) {
     let name = crate::stop_signal().await;
     match mode {
-        cordon_server::ShutdownMode::Destroy => eprintln!("cordon serve: {name}: destroying every sandbox"),
+        cordon_server::ShutdownMode::Destroy => {
+            eprintln!("cordon serve: {name}: destroying every sandbox");
+            crate::sd_notify::notify(&format!("STOPPING=1\nSTATUS={name}: destroying every sandbox"));
+        }
         cordon_server::ShutdownMode::Drain { grace } => {
-            eprintln!("cordon serve: {name}: draining: no new sandboxes; stopping once the live ones end, or in {}s", grace.as_secs())
+            eprintln!("cordon serve: {name}: draining: no new sandboxes; stopping once the live ones end, or in {}s", grace.as_secs());
+            crate::sd_notify::notify(&format!("STOPPING=1\nSTATUS={name}: draining"));
         }
     }
 }
