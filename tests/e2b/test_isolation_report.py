@@ -122,7 +122,7 @@ def test_a_networked_sandbox_s_report_carries_its_policy_and_the_probe_sees_its_
 def test_bad_requests_for_a_report_fail_clearly():
     assert httpx.get(f"{API_URL}/sandboxes/inosuchsandbox00000000/isolation", headers=H).status_code == 404
     p = inspect("inosuchsandbox00000000")
-    assert p.returncode != 0 and "404" in p.stderr and "not found" in p.stderr, p.stderr
+    assert p.returncode == 1 and "not found" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     sid = create()
     try:
         assert httpx.post(f"{API_URL}/sandboxes/{sid}/pause", headers=H, json={}, timeout=60).status_code == 204
