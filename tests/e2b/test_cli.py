@@ -159,6 +159,21 @@ class Terminal:
                 self.send(again)
         raise AssertionError(f"{pattern!r} never came; got {self.seen[-2000:]!r}")
 
+    def wait(self):
+        """The exit status of `cordon shell`, reading what it prints meanwhile, as a terminal
+        does: a writer to a terminal nobody reads would block."""
+        deadline = time.monotonic() + PATIENCE
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.master], [], [], 0.2)
+            if ready:
+                try:
+                    self.seen += os.read(self.master, 65536)
+                except OSError:
+                    pass
+        if self.proc.poll() is None:
+            raise AssertionError(f"cordon shell did not exit; the terminal showed {self.seen[-2000:]!r}")
+        return self.proc.returncode
+
     def close(self):
         if self.proc.poll() is None:
             self.proc.kill()
@@ -179,13 +194,15 @@ def test_shell_is_an_interactive_terminal(sbx):
         t.send(b"stty size\r")
         t.expect(rb"\r40 120\r\n", again=b"stty size\r")
         # Ctrl-C reaches the sandbox's terminal as a key and interrupts what runs there.
-        t.send(b"echo st''arted; sleep 100\r")
+        # The job prints once it holds the terminal's foreground (bash hands it over in the
+        # child before the exec), so the key cannot land in bash while the job is starting.
+        t.send(b"sh -c 'echo st''arted; exec sleep 100'\r")
         t.expect(rb"started\r\n")
         t.send(b"\x03")
         t.send(b"echo after$((1+1))\r")
         t.expect(rb"after2")
         t.send(b"exit\r")
-        assert t.proc.wait(timeout=PATIENCE) == 0
+        assert t.wait() == 0
         # Our terminal's settings are back as they were.
         assert termios.tcgetattr(t.slave) == t.before
     finally:
