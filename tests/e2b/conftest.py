@@ -103,3 +103,14 @@ class Serve:
     def sdk(self):
         """Keyword arguments that point the SDK at this server."""
         return {"api_url": self.url, "sandbox_url": self.url, "api_key": API_KEY}
+
+
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def route_dev(ip):
+    """The device the host routes `ip` through ("" when none): a test address must route only
+    to the namespace the test made."""
+    parts = sh("ip", "route", "get", ip, check=False).stdout.split()
+    return parts[parts.index("dev") + 1] if "dev" in parts else ""

@@ -39,6 +39,9 @@ venv_old="$here/.venv-old"
 
 port="$("$venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 key="e2b_$(printf '0%.0s' $(seq 40))"
+# Every server of the suite ends its sandboxes when stopped, so that the suite leaves nothing
+# running; test_restart.py asks for `--shutdown keep` itself.
+export CORDON_SHUTDOWN=destroy
 log="$(mktemp /tmp/cordon-serve-XXXXXX.log)"
 "$bin" serve --listen "127.0.0.1:$port" --api-key "$key" --max-sandboxes 50 --prebuild base code-interpreter-v1 >"$log" 2>&1 &
 server=$!

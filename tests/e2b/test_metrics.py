@@ -7,7 +7,6 @@ is one JSON object, and the lines about a request carry its id and the sandbox's
 
 import json
 import os
-import subprocess
 import time
 
 import httpx
@@ -16,22 +15,13 @@ from e2b import Sandbox
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import API_KEY, Serve, free_port
+from conftest import API_KEY, Serve, free_port, route_dev, sh
 
 # A namespace of the test's own with one TEST-NET address: the target of an allowed egress flow
 # (nothing listens there, so the connection is refused after the policy let it out).
 NS = f"cordon-e2b-metrics-{os.getpid()}"
 HOST_IP, NS_IP, PREFIX = "198.51.100.241", "198.51.100.242", 30
 BLOCKED_IP = "203.0.113.77"
-
-
-def sh(*cmd, check=True):
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-def route_dev(ip):
-    parts = sh("ip", "route", "get", ip, check=False).stdout.split()
-    return parts[parts.index("dev") + 1] if "dev" in parts else ""
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The server process itself: the concurrency limit, SIGTERM cleanup, and reaping after a crash.
+"""The server process itself: the concurrency limit, SIGTERM cleanup, and reaping after a crash
+what cannot be adopted (adoption itself: test_restart.py).
 Each test starts its own `cordon serve` (the binary run.sh exports as CORDON_BIN)."""
 
 import os
@@ -83,7 +84,7 @@ def test_concurrency_limit_is_rate_limit():
 
 
 def test_sigterm_destroys_every_sandbox():
-    srv = Server()
+    srv = Server("--shutdown", "destroy")
     ids = [srv.create().sandbox_id for _ in range(2)]
     pids = [agent_pid(i) for i in ids]
     assert all(alive(p) for p in pids)
@@ -93,7 +94,7 @@ def test_sigterm_destroys_every_sandbox():
         assert not alive(p)
 
 
-def test_crash_then_restart_reaps_orphans():
+def test_crash_then_restart_reaps_a_sandbox_left_without_its_record():
     srv = Server()
     sid = srv.create().sandbox_id
     pid = agent_pid(sid)
@@ -101,7 +102,9 @@ def test_crash_then_restart_reaps_orphans():
     # The sandbox outlives its server...
     assert os.path.exists(f"{STATE}/run/{sid}")
     assert alive(pid)
-    # ...until the next server starts: orphans are reaped, not adopted.
+    # ...and with no record of what the API knew of it (lost, or never written: a pooled
+    # sandbox nobody took), the next server cannot adopt it: it is reaped, not leaked.
+    os.remove(f"{STATE}/live/{sid}.json")
     srv2 = Server()
     try:
         assert not os.path.exists(f"{STATE}/run/{sid}")

@@ -214,6 +214,8 @@ impl Executor {
             volumes: Vec::new(),
             // A build step's files become the image: the host's CA stays out of them.
             egress_ca: None,
+            // A build step ends with its build.
+            keep: false,
         };
         let created = {
             let _enter = self.rt.enter();

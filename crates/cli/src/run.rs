@@ -154,6 +154,8 @@ fn spec_from(a: &RunArgs) -> Result<SandboxSpec> {
         volumes: Vec::new(),
         // Set with the rules' TLS termination (see `plan`).
         egress_ca: None,
+        // A one-shot sandbox ends with this process.
+        keep: false,
     };
     for v in &a.volume {
         crate::volume_cmd::parse_mount(v)?;

@@ -94,10 +94,12 @@ pub struct ServeArgs {
     /// sandbox's id on the lines about them).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
-    /// On SIGTERM or SIGINT: `destroy` every sandbox at once (one paused in place stays paused,
-    /// to its files), or `drain`: refuse new sandboxes, serve the live ones until they end or
-    /// --drain-grace passes, then destroy what is left.
-    #[arg(long, value_enum, default_value_t = ShutdownArg::Destroy)]
+    /// On SIGTERM or SIGINT: `keep` the sandboxes running for the next `cordon serve` on this
+    /// state dir, which adopts them (ns tier; the others' are destroyed); `destroy` every
+    /// sandbox at once (one paused in place stays paused, to its files); or `drain`: refuse new
+    /// sandboxes, serve the live ones until they end or --drain-grace passes, then destroy what
+    /// is left.
+    #[arg(long, value_enum, env = "CORDON_SHUTDOWN", default_value_t = ShutdownArg::Keep)]
     shutdown: ShutdownArg,
     /// How long a draining shutdown waits for the live sandboxes to end (e.g. 10m).
     #[arg(long, value_name = "DURATION", default_value = "5m")]
@@ -111,6 +113,7 @@ pub struct ServeArgs {
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 enum ShutdownArg {
+    Keep,
     Destroy,
     Drain,
 }
@@ -145,6 +148,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     };
     let drain_grace = cordon_spec::parse_duration(&a.drain_grace).map_err(|e| usage(format!("--drain-grace: {}", e.reason)))?;
     let shutdown_mode = match a.shutdown {
+        ShutdownArg::Keep => cordon_server::ShutdownMode::Keep,
         ShutdownArg::Destroy => cordon_server::ShutdownMode::Destroy,
         ShutdownArg::Drain => cordon_server::ShutdownMode::Drain { grace: drain_grace },
     };
@@ -229,6 +233,9 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     let volumes = Arc::new(cordon_server::volumes::VolumeApi::open(state.dir(), volume_size).context("open the volume store")?);
     let saved = cordon_server::saved::Saved::open(state.images()?, state.dir(), paused_ttl, state_budget, Some(volumes.clone())).context("open the paused sandboxes and snapshots")?;
     let sandboxes = cordon_server::Sandboxes::with_saved(backend, a.max_sandboxes, a.envd_version, Some(saved));
+    // Sandboxes outlive the server whatever --shutdown says: a crash or `kill -9` must not
+    // lose them either.
+    sandboxes.keep_across_restarts(state.dir().join("live")).context("open the live sandboxes' records")?;
     if let Some(i) = &intercept {
         sandboxes.trust_egress_ca(i.ca().cert_pem().to_string());
     }
@@ -273,6 +280,12 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
             }
             None => None,
         };
+        // Before the pools and the first request: the uid ranges and ids of the sandboxes the
+        // last server left running are taken back first.
+        let adopted = app.sandboxes.adopt_kept().await;
+        if adopted > 0 {
+            eprintln!("cordon serve: adopted {adopted} running sandbox(es) from the last server");
+        }
         if !pools.is_empty() {
             cordon_server::pool::Pools::start(&app, pools, pool_memory);
         }
@@ -335,6 +348,10 @@ fn prebuild(store: &cordon_image::Store, name: &str) -> Result<()> {
 async fn shutdown(mode: cordon_server::ShutdownMode) {
     let name = crate::stop_signal().await;
     match mode {
+        cordon_server::ShutdownMode::Keep => {
+            eprintln!("cordon serve: {name}: leaving the sandboxes running for the next server");
+            crate::sd_notify::notify(&format!("STOPPING=1\nSTATUS={name}: leaving the sandboxes running"));
+        }
         cordon_server::ShutdownMode::Destroy => {
             eprintln!("cordon serve: {name}: destroying every sandbox");
             crate::sd_notify::notify(&format!("STOPPING=1\nSTATUS={name}: destroying every sandbox"));

@@ -184,7 +184,7 @@ fn the_unit_file_verifies() {
     let dir = TempDir::new("unit");
     let unit = std::fs::read_to_string(repo().join("packaging/cordon.service")).unwrap();
     assert!(unit.contains("ExecStart=/usr/bin/cordon serve --config /etc/cordon/cordon.toml\n"), "{unit}");
-    for line in ["Type=notify", "Restart=on-failure", "StateDirectory=cordon", "KillMode=mixed", "LimitNOFILE=", "TimeoutStopSec="] {
+    for line in ["Type=notify", "Restart=on-failure", "StateDirectory=cordon", "KillMode=process", "LimitNOFILE=", "TimeoutStopSec="] {
         assert!(unit.lines().any(|l| l.starts_with(line)), "the unit has no {line}");
     }
     let copy = dir.0.join("cordon.service");

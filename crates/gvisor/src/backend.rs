@@ -12,7 +12,7 @@ use crate::Gvisor;
 /// What gvisor sandboxes support: egress, but no host syscall audit (gVisor's own kernel
 /// answers every call, so the host's filter has nothing to record); a pause with memory saves
 /// the sandbox to disk with runsc's checkpoint (or, with host networking, freezes it in place).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: true, checkpoint_keeps_running: false, keep_disk: false, volumes: true, set_limits: true };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: true, checkpoint_keeps_running: false, keep_disk: false, volumes: true, set_limits: true, survive_restart: false };
 
 /// The tier table's row for gvisor.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Gvisor, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };

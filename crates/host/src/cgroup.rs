@@ -308,6 +308,11 @@ impl Cgroup {
         self.pids().is_empty()
     }
 
+    /// Whether `pid` is in the groups now.
+    pub fn holds(&self, pid: libc::pid_t) -> bool {
+        self.pids().binary_search(&pid).is_ok()
+    }
+
     /// Kills every process in the groups: `cgroup.kill` where the kernel has it, otherwise
     /// SIGKILL to each listed pid (repeated by [`Cgroup::kill_and_wait`] until none is left).
     pub fn kill(&self) {

@@ -7,6 +7,11 @@
 //! The tier keeps its own per-sandbox files (sockets, disks, bundles) in the same directory, so
 //! removing it leaves nothing behind.
 //!
+//! A sandbox made to outlive its owner (`keep` in its record: a server's, which the next
+//! server on the same state directory adopts) is not reaped while its init runs; the adopter
+//! takes its lock back with [`Ledger::adopt`] and reaps the kept ones it does not adopt with
+//! [`Ledger::reap_kept`].
+//!
 //! A directory being created right now may not have its lock or its record yet; only one older
 //! than [`CREATE_GRACE`] without them is the leftover of a create that died, so two cordon
 //! processes sharing a state directory never reap each other's sandboxes mid-create.
@@ -39,6 +44,16 @@ pub struct Record {
     /// frees it when its holder dies).
     #[serde(default)]
     pub slot: Option<u32>,
+    /// Left running when its owner exits, for the next owner to adopt.
+    #[serde(default)]
+    pub keep: bool,
+}
+
+impl Record {
+    /// Whether its first process still runs in its groups (a pid alone could have been reused).
+    pub fn init_alive(&self) -> bool {
+        self.pid.is_some_and(|p| self.cgroup.holds(p))
+    }
 }
 
 /// One tier's `run` directory.
@@ -91,14 +106,56 @@ impl Ledger {
         }
     }
 
-    /// Kills and removes every sandbox whose owner is gone. Returns how many.
+    /// Kills and removes every sandbox whose owner is gone, except those kept for the next
+    /// owner whose init still runs. Returns how many.
     pub fn reap(&self) -> usize {
         let Ok(entries) = fs::read_dir(&self.dir) else { return 0 };
-        entries.flatten().filter(|e| self.reap_one(&e.path(), young(e))).count()
+        entries.flatten().filter(|e| self.reap_one(&e.path(), young(e), false)).count()
     }
 
-    /// Reaps one directory if its owner is dead; true when it was removed.
-    fn reap_one(&self, dir: &Path, young: bool) -> bool {
+    /// Kills and removes every sandbox whose owner is gone, the kept ones included: what an
+    /// adopter did not take back. Returns how many.
+    pub fn reap_kept(&self) -> usize {
+        let Ok(entries) = fs::read_dir(&self.dir) else { return 0 };
+        entries.flatten().filter(|e| self.reap_one(&e.path(), young(e), true)).count()
+    }
+
+    /// The records of the sandboxes kept for a next owner whose owner is gone and whose init
+    /// still runs: what [`Ledger::adopt`] can take back.
+    pub fn kept(&self) -> Vec<Record> {
+        let Ok(entries) = fs::read_dir(&self.dir) else { return Vec::new() };
+        entries
+            .flatten()
+            .filter_map(|e| {
+                let lock = File::open(e.path().join("lock")).ok()?;
+                // Taken and let go at once: only a free lock says the owner is gone.
+                if !sys::flock_exclusive_nb(&lock).unwrap_or(false) {
+                    return None;
+                }
+                read_record(&e.path()).filter(|r| r.keep && r.init_alive())
+            })
+            .collect()
+    }
+
+    /// Takes back the entry of sandbox `id`, kept by an owner that is gone: its lock, held
+    /// from now on, and its record. Refused when another process holds it, when it was not
+    /// kept, or when its init is gone.
+    pub fn adopt(&self, id: &str) -> io::Result<(Entry, Record)> {
+        let dir = self.dir.join(id);
+        let lock = File::open(dir.join("lock")).map_err(|e| io::Error::new(e.kind(), format!("open {}/lock: {e}", dir.display())))?;
+        if !sys::flock_exclusive_nb(&lock)? {
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, format!("{} {id} is owned by a running cordon process", self.kind)));
+        }
+        let rec = read_record(&dir).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("{} {id} has no readable record", self.kind)))?;
+        if !rec.keep || !rec.init_alive() {
+            return Err(io::Error::new(io::ErrorKind::NotFound, format!("{} {id} was not kept running", self.kind)));
+        }
+        Ok((Entry { dir, _lock: lock }, rec))
+    }
+
+    /// Reaps one directory if its owner is dead (and, unless `kept_too`, it was not kept for
+    /// the next owner with its init running); true when it was removed.
+    fn reap_one(&self, dir: &Path, young: bool, kept_too: bool) -> bool {
         let Ok(lock) = File::open(dir.join("lock")) else {
             if !young {
                 let _ = fs::remove_dir_all(dir);
@@ -109,6 +166,7 @@ impl Ledger {
             return false; // its owner is alive
         }
         match read_record(dir) {
+            Some(rec) if rec.keep && !kept_too && rec.init_alive() => return false,
             Some(rec) => {
                 tracing::info!(id = %rec.id, "reaping {} left by a dead cordon process", self.kind);
                 // A v1 freezer holds even killed tasks until they are thawed.
@@ -134,10 +192,11 @@ impl Entry {
     /// Writes the record of sandbox `id`, atomically: a reaper sees the old one or the new one,
     /// never half.
     pub fn record(&self, id: &str, cgroup: &Cgroup, pid: Option<i32>, slot: Option<u32>) -> io::Result<()> {
-        self.write(&Record { id: id.to_string(), cgroup: cgroup.clone(), pid, slot })
+        self.write(&Record { id: id.to_string(), cgroup: cgroup.clone(), pid, slot, keep: false })
     }
 
-    fn write(&self, rec: &Record) -> io::Result<()> {
+    /// Writes `rec`, atomically (see [`Entry::record`]).
+    pub fn write(&self, rec: &Record) -> io::Result<()> {
         let tmp = self.dir.join("record.json.tmp");
         let bytes = serde_json::to_vec(rec).map_err(io::Error::other)?;
         fs::write(&tmp, bytes)?;
@@ -195,7 +254,7 @@ mod tests {
     fn record(ledger: &Ledger, id: &str) -> Record {
         // A plan under an empty layout names no groups: reaping it kills nothing on the host.
         let layout = Layout::detect_at(&ledger.dir.join("no-cgroups"));
-        Record { id: id.into(), cgroup: Cgroup::plan(&layout, id), pid: None, slot: Some(3) }
+        Record { id: id.into(), cgroup: Cgroup::plan(&layout, id), pid: None, slot: Some(3), keep: false }
     }
 
     #[test]
@@ -229,8 +288,8 @@ mod tests {
         assert!(ledger.dir().join("no-lock").exists() && ledger.dir().join("no-record").exists());
 
         // The same, past the grace: leftovers of creates that died.
-        assert!(!ledger.reap_one(&ledger.dir().join("no-lock"), false));
-        assert!(ledger.reap_one(&ledger.dir().join("no-record"), false));
+        assert!(!ledger.reap_one(&ledger.dir().join("no-lock"), false, false));
+        assert!(ledger.reap_one(&ledger.dir().join("no-record"), false, false));
         assert!(!ledger.dir().join("no-lock").exists() && !ledger.dir().join("no-record").exists());
         let _ = fs::remove_dir_all(&root);
     }

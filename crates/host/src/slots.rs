@@ -95,6 +95,22 @@ impl Slots {
     }
 }
 
+impl Slots {
+    /// Takes slot `index` back for a sandbox that still runs in its range, adopted from an
+    /// owner that is gone: its lock, which that owner's death freed. Refused while another
+    /// process holds it.
+    pub fn claim(&self, index: u32) -> io::Result<Slot> {
+        if index >= CAPACITY {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("uid slot {index} is out of range")));
+        }
+        let file = fs::OpenOptions::new().create(true).truncate(false).write(true).open(self.dir.join(index.to_string()))?;
+        if !sys::flock_exclusive_nb(&file)? {
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, format!("uid slot {index} is held by another process")));
+        }
+        Ok(Slot { index, file: Some(file), emptied: self.emptied.clone() })
+    }
+}
+
 /// Whether any process on the host has a uid (real, effective, saved or filesystem) in slot
 /// `index`'s range.
 fn range_in_use(index: u32) -> bool {

@@ -110,9 +110,9 @@ fn ioctl<T>(fd: &OwnedFd, req: libc::Ioctl, arg: &mut T, what: &str) -> io::Resu
     check(unsafe { libc::ioctl(fd.as_raw_fd(), req, arg as *mut T) }, what)
 }
 
-/// Creates the TUN device in the current network namespace, addresses it, routes everything
-/// through it, and returns its descriptor (close-on-exec, so it can never reach the sandbox).
-pub fn create() -> io::Result<OwnedFd> {
+/// A descriptor attached to the TUN device `eth0` of the current network namespace, which
+/// this makes when there is none.
+fn attach() -> io::Result<OwnedFd> {
     let path = c"/dev/net/tun";
     // SAFETY: static path; the returned fd is new and ours.
     let fd: RawFd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
@@ -122,6 +122,13 @@ pub fn create() -> io::Result<OwnedFd> {
     let mut req = ifreq();
     req.ifr_ifru.ifru_flags = (libc::IFF_TUN | libc::IFF_NO_PI) as libc::c_short;
     ioctl(&tun, libc::TUNSETIFF, &mut req, "TUNSETIFF eth0")?;
+    Ok(tun)
+}
+
+/// Creates the TUN device in the current network namespace, addresses it, routes everything
+/// through it, and returns its descriptor (close-on-exec, so it can never reach the sandbox).
+pub fn create() -> io::Result<OwnedFd> {
+    let tun = attach()?;
     // Persistent: closing the last descriptor (the forwarder's, at teardown) then leaves the
     // device to its namespace, whose end (once the sandbox's last process and the descriptor
     // are gone) removes it in the kernel's batched cleanup. Not persistent, the close itself
@@ -131,6 +138,24 @@ pub fn create() -> io::Result<OwnedFd> {
     check(unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETPERSIST, 1 as libc::c_ulong) }, "TUNSETPERSIST eth0")?;
     address(None)?;
     Ok(tun)
+}
+
+/// Attaches a new descriptor to the TUN device that [`create`] made in the network namespace
+/// of process `pid` (a sandbox's), addresses and routes untouched: how the host takes a
+/// sandbox's link back after the process that held it exited (the device is persistent, so it
+/// outlived that descriptor with the sandbox's namespace). The namespace is entered by a
+/// thread of its own, which ends afterwards: the caller's threads never change namespace.
+pub fn reattach(pid: libc::pid_t) -> io::Result<OwnedFd> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+    std::thread::Builder::new()
+        .name("tun-reattach".into())
+        .spawn(move || -> io::Result<OwnedFd> {
+            // SAFETY: setns on a namespace descriptor we opened; it changes this thread alone.
+            check(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) }, "setns into the sandbox's network namespace")?;
+            attach()
+        })?
+        .join()
+        .map_err(|_| io::Error::other("the TUN reattach thread panicked"))?
 }
 
 /// Sets the MAC of the Ethernet interface `eth0` (a VM's; up or not).

@@ -36,6 +36,8 @@ fn main() {
             keep_writable: false,
             volumes: Vec::new(),
             egress_ca: None,
+            default_user: String::new(),
+            keep: false,
         })
         .unwrap();
     eprintln!("created in {:?}, pid {}, uid base {}", t.elapsed(), sb.host_pid(), sb.uid_base());

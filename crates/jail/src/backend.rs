@@ -10,7 +10,7 @@ use cordon_spec::{NetworkPolicy, Tier};
 use crate::Jail;
 
 /// What ns sandboxes support: all of it.
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: true, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: false, checkpoint_keeps_running: false, keep_disk: false, volumes: true, set_limits: true };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: true, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: false, checkpoint_keeps_running: false, keep_disk: false, volumes: true, set_limits: true, survive_restart: true };
 
 /// The tier table's row for ns.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Ns, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -50,6 +50,27 @@ impl Backend for JailBackend {
         let image = cordon_sandbox::image::ensure(&self.store, &spec.image, &mut cordon_sandbox::image::LogProgress(&spec.image))?;
         self.create_from(spec, &image, pin, None).map(|(sb, _)| sb)
     }
+
+    fn kept(&self, _tier: Tier) -> Vec<String> {
+        self.jail.kept()
+    }
+
+    /// Its limits are what its cgroups hold (`spec.limits` only sizes the forwarder's share).
+    fn adopt(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
+        let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
+        let image = self.store.get(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
+        let adopted = self.jail.adopt(&spec.id).map_err(|e| Error::failed("ns tier", e))?;
+        let egress = self.egress(adopted.tun, &adopted.sandbox, spec)?;
+        Ok(Box::new(HostBacked { sandbox: adopted.sandbox, egress, start: image.meta.start.clone(), pin }))
+    }
+
+    fn exists(&self, _tier: Tier, id: &str) -> bool {
+        self.jail.exists(id)
+    }
+
+    fn reap_kept(&self, _tier: Tier) -> usize {
+        self.jail.reap_kept()
+    }
 }
 
 /// A sandbox of an image build step (see [`JailBackend::create_build`]).
@@ -82,6 +103,8 @@ impl JailBackend {
         let mut agent_cfg = cordon_sandbox::agent::config(spec, image, self.envd_version.as_deref());
         // With ptrace off, no command may open another's memory through /proc either.
         agent_cfg.isolate_commands = !spec.allow_ptrace;
+        // A build step's sandbox is its build's alone.
+        let keep = spec.keep && writable.is_none();
         let cfg = crate::SandboxConfig {
             id: spec.id.clone(),
             layers: image.layers.clone(),
@@ -95,12 +118,19 @@ impl JailBackend {
             keep_writable: spec.keep_writable,
             volumes: spec.volumes.clone(),
             egress_ca: spec.trusted_egress_ca().map(str::to_string),
+            default_user: agent_cfg.default_user.clone(),
+            keep,
         };
         let mut sandbox = self.jail.create(&cfg).map_err(|e| Error::failed("ns tier", e))?;
-        sandbox.set_default_user(&agent_cfg.default_user);
         let uid_base = sandbox.uid_base();
-        let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
-        let egress = Egress::start(sandbox.take_tun().map(cordon_sandbox::egress::Link::Tun), &spec.network, gateways, crate::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;
+        let tun = sandbox.take_tun();
+        let egress = self.egress(tun, &sandbox, spec)?;
         Ok((Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }), uid_base))
+    }
+
+    /// The forwarder of `sandbox` on its TUN device, serving `spec.network`.
+    fn egress(&self, tun: Option<std::os::fd::OwnedFd>, sandbox: &crate::Sandbox, spec: &SandboxSpec) -> Result<Egress, Error> {
+        let gateways = vec![crate::tun::GATEWAY_V4.into(), crate::tun::GATEWAY_V6.into()];
+        Egress::start(tun.map(cordon_sandbox::egress::Link::Tun), &spec.network, gateways, crate::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)
     }
 }

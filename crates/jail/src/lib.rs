@@ -8,6 +8,7 @@
 //! tears everything down. [`backend`] is the tier as a `cordon_sandbox::Backend`; cgroups, uid
 //! slots and the TUN device come from `cordon-host`, shared with the other tiers.
 
+mod adopt;
 pub mod audit;
 pub mod backend;
 mod caps;
@@ -88,6 +89,11 @@ pub struct SandboxConfig {
     pub volumes: Vec<cordon_spec::VolumeMount>,
     /// The host's egress CA, which the sandbox trusts (`SandboxSpec::egress_ca`).
     pub egress_ca: Option<String>,
+    /// The user commands run as when they name none (the agent's), for the isolation report.
+    pub default_user: String,
+    /// Left running when this process exits, for the next owner to adopt with [`Jail::adopt`]
+    /// (`SandboxSpec::keep`).
+    pub keep: bool,
 }
 
 /// Unmounts and removes a writable layer kept with [`SandboxConfig::writable`].
@@ -161,7 +167,8 @@ impl Jail {
             keeps_writable: false,
             allow_ptrace: cfg.allow_ptrace,
             connect_ports: cfg.connect_ports.clone(),
-            default_user: String::new(),
+            default_user: cfg.default_user.clone(),
+            keep: cfg.keep,
         };
         // From here on, dropping `sb` on any error undoes every step taken so far.
         let slot = self.slots.acquire().ok_or(JailError::NoSlot(self.slots.capacity()))?;
@@ -229,6 +236,10 @@ impl Jail {
                 sb.landlock = landlock;
                 sb.pid = pid;
                 sb.pidfd = Some(sys::pidfd_open(pid).map_err(io_err("pidfd_open sandbox init"))?);
+                if sb.keep {
+                    // Before the record says `keep`: an adopter finds both or neither.
+                    adopt::Facts::of(&sb, cfg.tun).write(sb.entry.dir()).map_err(io_err("write the sandbox's facts"))?;
+                }
                 sb.write_record()?;
                 // From here on the caller owns the kept writable layer.
                 sb.kept_writable = None;
@@ -262,6 +273,8 @@ pub struct Sandbox {
     connect_ports: Option<Vec<(u16, u16)>>,
     /// The user commands run as when they name none, for the isolation report.
     default_user: String,
+    /// Left running when this process exits (see [`SandboxConfig::keep`]).
+    keep: bool,
 }
 
 impl Sandbox {
@@ -281,11 +294,6 @@ impl Sandbox {
         &self.id
     }
 
-    /// Names the user commands run as by default (the agent's), for the isolation report.
-    pub fn set_default_user(&mut self, user: &str) {
-        self.default_user = user.to_string();
-    }
-
     /// Host pid of the sandbox's init (the agent).
     pub fn host_pid(&self) -> i32 {
         self.pid
@@ -297,8 +305,15 @@ impl Sandbox {
     }
 
     fn write_record(&self) -> Result<(), JailError> {
-        let (pid, slot) = ((self.pid > 0).then_some(self.pid), self.slot.as_ref().map(|s| s.index));
-        self.entry.record(&self.id, &self.cgroup, pid, slot).map_err(io_err("write record"))
+        let rec = ledger::Record {
+            id: self.id.clone(),
+            cgroup: self.cgroup.clone(),
+            pid: (self.pid > 0).then_some(self.pid),
+            slot: self.slot.as_ref().map(|s| s.index),
+            // Kept only once it runs: a create that dies half way is reaped as ever.
+            keep: self.keep && self.pid > 0,
+        };
+        self.entry.write(&rec).map_err(io_err("write record"))
     }
 }
 
@@ -438,6 +453,10 @@ impl HostSandbox for Sandbox {
 
     fn writable_layer(&self) -> Option<cordon_sandbox::WritableLayer> {
         Some(cordon_sandbox::WritableLayer { upper: self.writable_upper()?, uid_base: self.uid_base() })
+    }
+
+    fn leave_running(self) {
+        Sandbox::leave_running(self)
     }
 }
 

@@ -41,6 +41,9 @@ pub struct Capabilities {
     pub volumes: bool,
     /// A running sandbox's memory and CPU caps can be rewritten ([`Sandbox::set_limits`]).
     pub set_limits: bool,
+    /// A sandbox created with `keep` outlives the process that made it, which lets go of it
+    /// with [`Sandbox::leave_running`], and the next one takes it back ([`Backend::adopt`]).
+    pub survive_restart: bool,
 }
 
 impl Capabilities {
@@ -103,4 +106,27 @@ pub trait Backend: Send + Sync {
 
     /// Creates a sandbox from `spec`, or says why not; never a half-made one.
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, Error>;
+
+    /// The ids of the sandboxes of `tier` that a process gone before kept running for the
+    /// next one (see [`Capabilities::survive_restart`]).
+    fn kept(&self, _tier: Tier) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Takes back the kept sandbox `spec.id` as it runs, its egress serving `spec.network`
+    /// (the policy in force when its last owner let go), its image `spec.image` pinned. On an
+    /// error it is left as it was, for [`Backend::reap_kept`].
+    fn adopt(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, Error> {
+        Err(Error::Unavailable(format!("the {} tier cannot take back a running sandbox", spec.tier)))
+    }
+
+    /// Whether sandbox `id` of `tier` is still on this host, owned by any process or by none.
+    fn exists(&self, _tier: Tier, _id: &str) -> bool {
+        false
+    }
+
+    /// Ends the kept sandboxes of `tier` that were not adopted. Returns how many.
+    fn reap_kept(&self, _tier: Tier) -> usize {
+        0
+    }
 }

@@ -53,6 +53,12 @@ pub trait HostSandbox: Send {
     fn checkpoint(&mut self, _dir: &Path, _keep_running: bool) -> Result<(), Error> {
         Err(Error::Unavailable("this tier cannot save a running sandbox to disk".into()))
     }
+    /// Lets go of it without ending it (see [`Sandbox::leave_running`]); a drop by default.
+    fn leave_running(self)
+    where
+        Self: Sized,
+    {
+    }
 }
 
 /// A tier's handle with its forwarder and its image's start command.
@@ -153,6 +159,14 @@ impl<S: HostSandbox> Sandbox for HostBacked<S> {
 
     fn freeze(&self, on: bool) -> Result<(), Error> {
         self.sandbox.cgroup().freeze(on).map_err(|e| Error::failed(if on { "freeze the sandbox" } else { "thaw the sandbox" }, e))
+    }
+
+    fn leave_running(self: Box<Self>) {
+        let HostBacked { mut egress, sandbox, .. } = *self;
+        // The forwarder lets go of the TUN descriptor; the device stays, for the adopter.
+        egress.stop();
+        drop(egress);
+        sandbox.leave_running();
     }
 
     fn destroy(&mut self) -> Result<(), Error> {

@@ -137,6 +137,11 @@ pub trait Sandbox: Send {
     fn checkpointable(&self) -> bool {
         false
     }
+    /// Lets go of it without ending it, for the next process to adopt, when it was created
+    /// with `keep` on a tier that can ([`crate::Capabilities::survive_restart`]); anything
+    /// else is destroyed, as a drop would. Blocking.
+    fn leave_running(self: Box<Self>) {}
+
     /// Kills it and removes every trace. Blocking.
     fn destroy(&mut self) -> Result<(), Error>;
 }

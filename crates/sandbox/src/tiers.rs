@@ -74,4 +74,27 @@ impl Backend for Tiers {
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, Error> {
         self.backend(spec.tier)?.create(spec)
     }
+
+    /// Opens only a tier that can keep sandboxes: no other has any to give back.
+    fn kept(&self, tier: Tier) -> Vec<String> {
+        match self.capabilities(tier).survive_restart {
+            true => self.backend(tier).map(|b| b.kept(tier)).unwrap_or_default(),
+            false => Vec::new(),
+        }
+    }
+
+    fn adopt(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, Error> {
+        self.backend(spec.tier)?.adopt(spec)
+    }
+
+    fn exists(&self, tier: Tier, id: &str) -> bool {
+        self.capabilities(tier).survive_restart && self.backend(tier).is_ok_and(|b| b.exists(tier, id))
+    }
+
+    fn reap_kept(&self, tier: Tier) -> usize {
+        match self.capabilities(tier).survive_restart {
+            true => self.backend(tier).map(|b| b.reap_kept(tier)).unwrap_or(0),
+            false => 0,
+        }
+    }
 }

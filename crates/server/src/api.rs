@@ -705,6 +705,7 @@ async fn update_network(app: &Arc<App>, id: &str, req: Request<Incoming>) -> Res
     let policy = b.policy(app, b.allow_internet_access)?;
     let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
     e.set_network(policy).map_err(|m| ApiError::new(StatusCode::CONFLICT, m.to_string()).no_retry())?;
+    app.sandboxes.persist(&e);
     Ok(empty(StatusCode::NO_CONTENT))
 }
 

@@ -119,7 +119,10 @@ async fn fork_through_pause(sandboxes: &Arc<Sandboxes>, saved: &crate::saved::Sa
     let results = futures_util::future::join_all((0..count).map(one)).await;
     match crate::pause::resume(sandboxes, id, left).await {
         // Its own deadline, to the millisecond, not one counted again from now.
-        Ok((source, _)) => source.set_end_at(end.max(std::time::SystemTime::now())),
+        Ok((source, _)) => {
+            source.set_end_at(end.max(std::time::SystemTime::now()));
+            sandboxes.persist(&source);
+        }
         Err(err) => tracing::warn!(sandbox_id = %id, "the fork's source stays paused: its resume failed: {}", err.message),
     }
     Ok(entries(results, domain, "memory"))

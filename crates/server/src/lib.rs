@@ -11,6 +11,7 @@
 //! to a [`cordon_sandbox::Backend`] (every tier, in production); the HTTP layer never touches
 //! namespaces.
 
+pub mod adoption;
 pub mod agent_link;
 pub mod api;
 pub mod auth;
@@ -171,6 +172,10 @@ where
 /// What a server does with its sandboxes when told to stop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ShutdownMode {
+    /// Leaves the sandboxes of the tiers that can outlive the server running, for the next
+    /// server on the same state directory to adopt (see [`adoption`]); destroys the rest as
+    /// `Destroy` does.
+    Keep,
     /// Destroys every sandbox at once (one paused in place is kept paused to its files).
     Destroy,
     /// Refuses new sandboxes and serves the live ones until they have all ended (killed,
@@ -207,7 +212,7 @@ pub async fn serve_until(listener: TcpListener, app: Arc<App>, shutdown: impl Fu
                 }
             },
             () = &mut shutdown, if drain_until.is_none() => match mode {
-                ShutdownMode::Destroy => break,
+                ShutdownMode::Destroy | ShutdownMode::Keep => break,
                 ShutdownMode::Drain { grace } => {
                     app.sandboxes.begin_drain().await;
                     tracing::info!(sandboxes = app.sandboxes.len(), grace_s = grace.as_secs(), "draining: new sandboxes refused; the server stops once the live ones end or the grace passes");
@@ -237,6 +242,9 @@ pub async fn serve_until(listener: TcpListener, app: Arc<App>, shutdown: impl Fu
         });
     }
     sweeper.abort();
-    app.sandboxes.destroy_all().await;
+    match mode {
+        ShutdownMode::Keep => app.sandboxes.leave_all().await,
+        _ => app.sandboxes.destroy_all().await,
+    }
     Ok(())
 }

@@ -167,6 +167,7 @@ pub async fn pause(sandboxes: &Arc<Sandboxes>, id: &str, memory: bool, auto: boo
         }
         freeze(&e, true).await?;
         e.set_frozen(Some(SystemTime::now()));
+        sandboxes.persist(&e);
         tracing::info!(sandbox_id = %id, auto, mode = "full", "sandbox paused");
         return Ok(());
     }
@@ -212,12 +213,14 @@ pub async fn resume(sandboxes: &Arc<Sandboxes>, id: &str, timeout: Duration) -> 
             let want = SystemTime::now() + timeout;
             if want > e.end_at() {
                 e.set_end_at(want);
+                sandboxes.persist(&e);
             }
             return Ok((e.clone(), false));
         }
         freeze(&e, false).await?;
         e.set_frozen(None);
         e.set_end_at(SystemTime::now() + timeout);
+        sandboxes.persist(&e);
         tracing::info!(sandbox_id = %id, mode = "full", "sandbox resumed");
         return Ok((e.clone(), true));
     }

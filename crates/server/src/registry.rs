@@ -39,7 +39,7 @@ pub struct LiveSandbox {
     /// Who may reach its other ports, and the Host they are given (see [`crate::traffic`]).
     pub traffic: crate::traffic::Traffic,
     /// The egress policy in force (the create's, then each update's), as GET reports it.
-    network: Mutex<cordon_spec::NetworkPolicy>,
+    pub(crate) network: Mutex<cordon_spec::NetworkPolicy>,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     /// The store image it runs on: the template's, or an image of its own (a resumed or forked
@@ -51,7 +51,7 @@ pub struct LiveSandbox {
     /// What happens at its deadline, and whether traffic wakes it (E2B's `lifecycle`).
     pub lifecycle: crate::pause::Lifecycle,
     /// When it was paused in place (frozen), while it is.
-    frozen: Mutex<Option<SystemTime>>,
+    pub(crate) frozen: Mutex<Option<SystemTime>>,
     /// Held by every change of state (pause, resume, snapshot, fork, kill), so they happen one
     /// at a time per sandbox.
     pub transition: tokio::sync::Mutex<()>,
@@ -67,12 +67,12 @@ pub struct LiveSandbox {
     pub metrics: crate::metrics::History,
     /// What its template's start command printed (see [`crate::sandbox_logs`]).
     pub logs: Arc<crate::sandbox_logs::SandboxLogs>,
-    end_at: Mutex<SystemTime>,
-    instance: Mutex<Option<Box<dyn Sandbox>>>,
+    pub(crate) end_at: Mutex<SystemTime>,
+    pub(crate) instance: Mutex<Option<Box<dyn Sandbox>>>,
     /// Its `volumeMounts`, as info shows them.
     pub volume_mounts: Vec<crate::volumes::MountRequest>,
     /// Its volumes held in use, released when it is destroyed.
-    volume_leases: Mutex<Vec<cordon_volume::Lease>>,
+    pub(crate) volume_leases: Mutex<Vec<cordon_volume::Lease>>,
 }
 
 impl LiveSandbox {
@@ -233,6 +233,9 @@ pub struct Sandboxes {
     pub stats: ServerMetrics,
     /// Set once a draining shutdown began: creates are refused from then on.
     draining: std::sync::atomic::AtomicBool,
+    /// Where sandboxes that outlive this server are recorded for the next one, once set (see
+    /// [`crate::adoption`]).
+    pub(crate) live_dir: std::sync::OnceLock<PathBuf>,
 }
 
 /// A slot under the concurrency limit, held while a create runs.
@@ -251,7 +254,7 @@ impl Sandboxes {
 
     /// A registry that can pause sandboxes to disk and snapshot them, through `saved`.
     pub fn with_saved(backend: Arc<dyn Backend>, max: usize, envd_version: String, saved: Option<crate::saved::Saved>) -> Arc<Sandboxes> {
-        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new(), pools: std::sync::OnceLock::new(), stats: ServerMetrics::default(), draining: Default::default() })
+        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new(), pools: std::sync::OnceLock::new(), stats: ServerMetrics::default(), draining: Default::default(), live_dir: std::sync::OnceLock::new() })
     }
 
     /// Makes every networked sandbox trust the egress CA (its certificate, PEM), so that
@@ -295,16 +298,25 @@ impl Sandboxes {
         self.unlist(id, None)
     }
 
+    /// Takes `id` out of the list and keeps its record for the next server, which adopts it.
+    pub(crate) fn forget(&self, id: &str) -> Option<Arc<LiveSandbox>> {
+        self.stats.retired.retire(|| self.write().remove(id))
+    }
+
     /// Takes `id` out of the list (only if it is still `this`, when given), its totals moving
     /// to the metrics' retired ones in the same step.
     fn unlist(&self, id: &str, this: Option<&Arc<LiveSandbox>>) -> Option<Arc<LiveSandbox>> {
-        self.stats.retired.retire(|| {
+        let gone = self.stats.retired.retire(|| {
             let mut list = self.write();
             if this.is_some_and(|this| !list.get(id).is_some_and(|now| Arc::ptr_eq(now, this))) {
                 return None;
             }
             list.remove(id)
-        })
+        });
+        if gone.is_some() {
+            self.unpersist(id);
+        }
+        gone
     }
 
     pub fn by_token(&self, token: &str) -> Option<Arc<LiveSandbox>> {
@@ -345,7 +357,7 @@ impl Sandboxes {
     }
 
     /// The volumes of a create's `volumeMounts`, each held and mounted on the host.
-    async fn lease_volumes(&self, mounts: &[crate::volumes::MountRequest], tier: cordon_spec::Tier) -> Result<Vec<(cordon_spec::VolumeMount, cordon_volume::Lease)>, ApiError> {
+    pub(crate) async fn lease_volumes(&self, mounts: &[crate::volumes::MountRequest], tier: cordon_spec::Tier) -> Result<Vec<(cordon_spec::VolumeMount, cordon_volume::Lease)>, ApiError> {
         if mounts.is_empty() {
             return Ok(Vec::new());
         }
@@ -383,6 +395,7 @@ impl Sandboxes {
             disk_from: req.disk_from.clone(),
             // Every networked sandbox trusts it: rules may come with a later network update.
             egress_ca: self.egress_ca().filter(|_| req.network.is_enabled()).map(str::to_string),
+            keep: self.keeps(req.tier),
             ..Default::default()
         }
     }
@@ -495,14 +508,28 @@ impl Sandboxes {
             volume_mounts: req.volume_mounts,
             volume_leases: Mutex::new(leases),
         });
+        self.enlist(&entry, death);
+        self.stats.created(entry.tier, &entry.template, source, started.elapsed());
+        tracing::info!(
+            sandbox_id = %entry.id, template = %entry.template, timeout_s = req.timeout.as_secs(),
+            cpus = entry.cpu_count, memory_mb = entry.memory_mb, ms = started.elapsed().as_millis() as u64,
+            "sandbox created"
+        );
+        Ok(entry)
+    }
+
+    /// Lists `entry`, records it for the next server where it outlives this one, and watches
+    /// its readings and its death (`death`, the tier's pidfd).
+    pub(crate) fn enlist(self: &Arc<Self>, entry: &Arc<LiveSandbox>, death: Option<std::os::fd::OwnedFd>) {
         self.write().insert(entry.id.clone(), entry.clone());
-        spawn_metrics(&entry);
+        self.persist(entry);
+        spawn_metrics(entry);
         if let Some(fd) = death {
             // A sandbox that dies by itself (OOM of its init, a kill from outside) leaves the
             // registry at once.
             // Only this entry: after a pause to disk and a quick resume, a new sandbox of the
             // same id may be listed by the time this one's old process is reaped.
-            let (sandboxes, this) = (Arc::downgrade(self), Arc::downgrade(&entry));
+            let (sandboxes, this) = (Arc::downgrade(self), Arc::downgrade(entry));
             tokio::spawn(async move {
                 if cordon_sandbox::lifecycle::died(fd).await {
                     if let (Some(s), Some(this)) = (sandboxes.upgrade(), this.upgrade()) {
@@ -516,13 +543,6 @@ impl Sandboxes {
                 }
             });
         }
-        self.stats.created(entry.tier, &entry.template, source, started.elapsed());
-        tracing::info!(
-            sandbox_id = %entry.id, template = %entry.template, timeout_s = req.timeout.as_secs(),
-            cpus = entry.cpu_count, memory_mb = entry.memory_mb, ms = started.elapsed().as_millis() as u64,
-            "sandbox created"
-        );
-        Ok(entry)
     }
 
     /// Sets the deadline to `now + timeout`. A paused sandbox has no deadline to set (E2B
@@ -530,6 +550,7 @@ impl Sandboxes {
     pub fn set_timeout(&self, id: &str, timeout: Duration) -> Option<Arc<LiveSandbox>> {
         let e = self.get(id).filter(|e| e.frozen_at().is_none())?;
         e.set_end_at(SystemTime::now() + timeout);
+        self.persist(&e);
         tracing::info!(sandbox_id = %id, timeout_s = timeout.as_secs(), "sandbox timeout set");
         Some(e)
     }
@@ -540,6 +561,7 @@ impl Sandboxes {
         let want = SystemTime::now() + timeout;
         if want > e.end_at() {
             e.set_end_at(want);
+            self.persist(&e);
         }
         tracing::info!(sandbox_id = %id, "sandbox connected");
         Some(e)

@@ -55,7 +55,7 @@ impl Sandbox for InProcessInstance {
 impl Backend for InProcess {
     fn capabilities(&self, _tier: cordon_spec::Tier) -> Capabilities {
         // The API's policy checks run as for the ns tier; the in-process agent has no interface.
-        Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: false, keep_writable: false, checkpoint: false, checkpoint_keeps_running: false, keep_disk: false, volumes: false, set_limits: false }
+        Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: false, keep_writable: false, checkpoint: false, checkpoint_keeps_running: false, keep_disk: false, volumes: false, set_limits: false, survive_restart: false }
     }
 
     fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, BackendError> {

@@ -131,6 +131,10 @@ pub struct SandboxSpec {
     /// update); `None` leaves the image's trust as it is.
     #[serde(default)]
     pub egress_ca: Option<String>,
+    /// Left running when the process that made it exits, for the next one on the same state
+    /// directory to adopt (a server's restart), where the tier can.
+    #[serde(default)]
+    pub keep: bool,
 }
 
 /// A volume at a path inside the sandbox.
@@ -197,6 +201,7 @@ impl Default for SandboxSpec {
             disk_from: None,
             volumes: Vec::new(),
             egress_ca: None,
+            keep: false,
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::{VmError, VmTier};
 /// What vm sandboxes support: egress through the host's forwarder (the guest's frames reach it
 /// on a socket pair, see `cordon_net::ethernet`), no host syscall audit (the guest kernel
 /// answers), and the OOM count is the guest's (a round trip through the agent).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, checkpoint_keeps_running: true, keep_disk: true, volumes: true, set_limits: false };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, checkpoint_keeps_running: true, keep_disk: true, volumes: true, set_limits: false, survive_restart: false };
 
 /// The tier table's row for vm.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };

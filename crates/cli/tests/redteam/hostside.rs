@@ -261,6 +261,8 @@ fn a_flood_of_denied_syscalls_costs_cordon_serve_bounded_memory_and_cpu() {
     let server = Server(
         cordon()
             .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--api-key", &key])
+            // Its sandboxes end with it, as the tests expect of a stopped server.
+            .env("CORDON_SHUTDOWN", "destroy")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -312,6 +312,8 @@ fn serve(key: &str) -> Serve {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let child = cordon()
         .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--api-key", key])
+        // Its sandboxes end with it, as the tests expect of a stopped server.
+        .env("CORDON_SHUTDOWN", "destroy")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

@@ -1,0 +1,193 @@
+"""Restarts that keep sandboxes (`cordon serve --shutdown keep`): a server stopped with SIGTERM,
+then one killed with `kill -9`, and each time the next server on the same state directory adopts
+what ran: the same ids and tokens (the SDK objects made before go on working), metadata, the
+same processes (a background job keeps its pid, a server inside keeps answering through the
+server's port forwarding), files, the paused state, and the egress policy (an allowed TEST-NET
+host in a namespace of the test's own answers; a blocked one is refused and audited). A sandbox
+whose deadline passed while no server ran is ended by the next one."""
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from conftest import Serve, route_dev, sh
+
+NS = f"cordon-e2b-restart-{os.getpid()}"
+HOST_IP, NS_IP, PREFIX = "198.51.100.245", "198.51.100.246", 30
+BLOCKED_IP = "203.0.113.78"
+
+FETCH = (
+    "python3 -c \"import socket,sys; s=socket.socket(); s.settimeout(10)\n"
+    "try:\n s.connect(('{ip}', 80)); s.sendall(b'GET /hello HTTP/1.0\\r\\n\\r\\n'); d=b''\n"
+    " while (c := s.recv(4096)): d += c\n"
+    " print(d.decode(errors='replace'))\n"
+    "except OSError as e: print('refused', e)\""
+)
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory):
+    """A TEST-NET address in a namespace of the test's own, where an HTTP server answers."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a network namespace")
+    default = sh("ip", "route", "show", "default", check=False).stdout.split()
+    default_dev = default[default.index("dev") + 1] if "dev" in default else ""
+    if route_dev(NS_IP) not in ("", default_dev):
+        pytest.skip(f"{NS_IP} already has a route of its own on this host ({route_dev(NS_IP)})")
+    www = tmp_path_factory.mktemp("www")
+    (www / "hello").write_text("hello from outside")
+    host_if, ns_if = f"rh{os.getpid() % 100000}", f"rn{os.getpid() % 100000}"
+    sh("ip", "netns", "add", NS)
+    web = None
+    try:
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        sh("ip", "link", "set", ns_if, "netns", NS)
+        sh("ip", "addr", "add", f"{HOST_IP}/{PREFIX}", "dev", host_if)
+        sh("ip", "link", "set", host_if, "up")
+        sh("ip", "netns", "exec", NS, "ip", "addr", "add", f"{NS_IP}/{PREFIX}", "dev", ns_if)
+        sh("ip", "netns", "exec", NS, "ip", "link", "set", ns_if, "up")
+        assert route_dev(NS_IP) == host_if, "the test address does not route to the test's namespace"
+        web = subprocess.Popen(["ip", "netns", "exec", NS, "python3", "-m", "http.server", "80", "--bind", NS_IP, "--directory", str(www)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            if "LISTEN" in sh("ip", "netns", "exec", NS, "ss", "-ltn", check=False).stdout:
+                break
+            time.sleep(0.1)
+        yield NS_IP
+    finally:
+        if web:
+            web.kill()
+            web.wait()
+        sh("ip", "link", "del", host_if, check=False)
+        sh("ip", "netns", "del", NS, check=False)
+
+
+def alive(pid):
+    return os.path.exists(f"/proc/{pid}")
+
+
+def init_pid(sid):
+    """The host pid of the sandbox's init, from the run ledger's record."""
+    import json
+    with open(f"{os.environ.get('CORDON_HOME', '/var/lib/cordon')}/run/{sid}/record.json") as f:
+        return json.load(f)["pid"]
+
+
+def check_running(srv, sbx, job, web_host):
+    """Everything of a running sandbox that must outlive the server."""
+    # The SDK object made before the restart: the same id and envd token.
+    assert sbx.commands.run(f"kill -0 {job} && echo alive", timeout=60).stdout.strip() == "alive"
+    assert sbx.files.read("/home/user/kept") == "across restarts"
+    # A process started before answers through the server's port forwarding.
+    r = httpx.get(srv.url + "/kept", headers={"Host": web_host}, timeout=30)
+    assert r.status_code == 200 and r.text == "across restarts", r.text
+
+
+def test_sandboxes_outlive_a_sigterm_and_a_kill_9_of_the_server(tmp_path, outside):
+    log = open(tmp_path / "serve.log", "ab")
+    srv = Serve("--shutdown", "keep", log=log).start()
+    made = []
+    try:
+        plain = Sandbox.create(timeout=600, metadata={"who": "plain"}, envs={"KEPT": "yes"}, **srv.sdk())
+        made.append(plain.sandbox_id)
+        plain.files.write("/home/user/kept", "across restarts")
+        job = plain.commands.run("sleep 3600", background=True).pid
+        plain.commands.run("cd /home/user && python3 -m http.server 8000", background=True)
+        web_host = plain.get_host(8000)
+        for _ in range(100):
+            if plain.commands.run("ss -ltn | grep -q ':8000 ' && echo up || true").stdout.strip() == "up":
+                break
+            time.sleep(0.1)
+
+        net = Sandbox.create(timeout=600, network={"allow_out": [outside], "deny_out": ["0.0.0.0/0"]}, **srv.sdk())
+        made.append(net.sandbox_id)
+        assert "hello from outside" in net.commands.run(FETCH.format(ip=outside), timeout=60).stdout
+
+        paused = Sandbox.create(timeout=600, **srv.sdk())
+        made.append(paused.sandbox_id)
+        paused_job = paused.commands.run("sleep 3600", background=True).pid
+        assert paused.pause()
+
+        # Its deadline passes while no server runs: the next one ends it.
+        short = Sandbox.create(timeout=5, **srv.sdk())
+        short_pid = init_pid(short.sandbox_id)
+
+        inits = {sid: init_pid(sid) for sid in made}
+        net_info = srv.api("GET", f"/sandboxes/{net.sandbox_id}").json()
+
+        for how in (signal.SIGTERM, signal.SIGKILL):
+            srv.stop(how)
+            # Nothing of them ended with the server.
+            assert all(alive(p) for p in inits.values()), f"a sandbox died with the server ({how})"
+            if how == signal.SIGTERM:
+                assert srv.proc.returncode == 0, (tmp_path / "serve.log").read_text()
+                # Long enough for the short one's deadline to pass meanwhile.
+                time.sleep(6)
+            srv.start()
+
+            listed = {s.sandbox_id: s for s in Sandbox.list(**srv.sdk()).next_items()}
+            for sid in made:
+                assert sid in listed, f"{sid} not adopted after {how}: {sorted(listed)}"
+            # The same processes: adopted, not made again.
+            assert {sid: init_pid(sid) for sid in made} == inits
+            info = srv.api("GET", f"/sandboxes/{plain.sandbox_id}").json()
+            assert info["metadata"] == {"who": "plain"}, info
+            assert plain.commands.run("echo $KEPT").stdout.strip() == "yes"
+            check_running(srv, plain, job, web_host)
+
+            # The egress policy holds: the allowed host answers, the rest is refused and audited.
+            assert srv.api("GET", f"/sandboxes/{net.sandbox_id}").json().get("network") == net_info.get("network")
+            got = net.commands.run(FETCH.format(ip=outside), timeout=60).stdout
+            assert "hello from outside" in got, f"after {how}: {got}"
+            got = net.commands.run(FETCH.format(ip=BLOCKED_IP), timeout=60).stdout
+            assert "refused" in got, f"after {how}: {got}"
+            blocked = []
+            for _ in range(50):
+                blocked = [b for b in srv.api("GET", f"/sandboxes/{net.sandbox_id}/audit").json()["blockedConnections"] if BLOCKED_IP in b["destination"]]
+                if blocked:
+                    break
+                time.sleep(0.1)
+            assert blocked, "the adopted forwarder did not refuse (or did not record) a blocked destination"
+
+            # Still paused, and its job is there after the resume.
+            assert srv.api("GET", f"/sandboxes/{paused.sandbox_id}").json()["state"] == "paused"
+            again = Sandbox.connect(paused.sandbox_id, **srv.sdk())
+            assert again.commands.run(f"kill -0 {paused_job} && echo alive").stdout.strip() == "alive"
+            assert again.pause()
+
+            # The deadline that passed while no server ran was applied.
+            deadline = time.monotonic() + 30
+            while srv.api("GET", f"/sandboxes/{short.sandbox_id}").status_code != 404 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert srv.api("GET", f"/sandboxes/{short.sandbox_id}").status_code == 404
+            for _ in range(100):
+                if not alive(short_pid):
+                    break
+                time.sleep(0.1)
+            assert not alive(short_pid), "the expired sandbox's processes outlived it"
+
+        # Killed through the last server, they leave nothing behind.
+        for sid in made:
+            assert Sandbox.kill(sid, **srv.sdk())
+        home = os.environ.get("CORDON_HOME", "/var/lib/cordon")
+        for sid, pid in inits.items():
+            for _ in range(100):
+                if not alive(pid):
+                    break
+                time.sleep(0.1)
+            assert not alive(pid)
+            assert not os.path.exists(f"{home}/run/{sid}")
+            assert not os.path.exists(f"{home}/live/{sid}.json")
+    finally:
+        for sid in made:
+            try:
+                Sandbox.kill(sid, **srv.sdk())
+            except Exception:
+                pass
+        srv.stop()
+        log.close()
