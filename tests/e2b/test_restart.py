@@ -4,7 +4,11 @@ what ran: the same ids and tokens (the SDK objects made before go on working), m
 same processes (a background job keeps its pid, a server inside keeps answering through the
 server's port forwarding), files, the paused state, and the egress policy (an allowed TEST-NET
 host in a namespace of the test's own answers; a blocked one is refused and audited). A sandbox
-whose deadline passed while no server ran is ended by the next one."""
+whose deadline passed while no server ran is ended by the next one.
+
+A gvisor sandbox, which the server cannot let go of running (its agent's link is the server's),
+is saved with its memory when the server stops and resumed by the next one: the same id, token,
+processes and files, until its own deadline."""
 
 import os
 import signal
@@ -15,7 +19,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from conftest import Serve, route_dev, sh
+from conftest import Serve, needs_runsc, route_dev, sh
 
 NS = f"cordon-e2b-restart-{os.getpid()}"
 HOST_IP, NS_IP, PREFIX = "198.51.100.245", "198.51.100.246", 30
@@ -65,6 +69,14 @@ def outside(tmp_path_factory):
             web.wait()
         sh("ip", "link", "del", host_if, check=False)
         sh("ip", "netns", "del", NS, check=False)
+
+
+def iso_s(t):
+    """Seconds since the epoch of an RFC 3339 time with up to nanoseconds, as the API writes it."""
+    import datetime
+    whole, _, frac = t.rstrip("Z").partition(".")
+    base = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.timezone.utc).timestamp()
+    return base + (float("0." + frac) if frac else 0.0)
 
 
 def alive(pid):
@@ -185,6 +197,43 @@ def test_sandboxes_outlive_a_sigterm_and_a_kill_9_of_the_server(tmp_path, outsid
             assert not os.path.exists(f"{home}/live/{sid}.json")
     finally:
         for sid in made:
+            try:
+                Sandbox.kill(sid, **srv.sdk())
+            except Exception:
+                pass
+        srv.stop()
+        log.close()
+
+
+@needs_runsc
+def test_a_gvisor_sandbox_is_saved_at_a_stop_and_resumed_by_the_next_server(tmp_path):
+    log = open(tmp_path / "serve.log", "ab")
+    srv = Serve("--shutdown", "keep", log=log).start()
+    sid = None
+    try:
+        r = srv.api("POST", "/sandboxes", json={"templateID": "base", "tier": "gvisor", "timeout": 600, "metadata": {"who": "gvisor"}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        sbx = Sandbox.connect(sid, **srv.sdk())
+        job = sbx.commands.run("sleep 3600", background=True).pid
+        sbx.files.write("/home/user/kept", "across restarts")
+        end = srv.api("GET", f"/sandboxes/{sid}").json()["endAt"]
+        srv.stop(signal.SIGTERM)
+        assert srv.proc.returncode == 0, (tmp_path / "serve.log").read_text()
+        srv.start()
+        info = srv.api("GET", f"/sandboxes/{sid}").json()
+        assert (info["state"], info["metadata"]) == ("running", {"who": "gvisor"}), info
+        # Its own deadline (to the millisecond it is kept with), not one counted afresh.
+        assert abs(iso_s(info["endAt"]) - iso_s(end)) < 0.01, (info["endAt"], end)
+        # The SDK object made before the restart: the same id and envd token.
+        assert sbx.commands.run(f"kill -0 {job} && echo alive", timeout=120).stdout.strip() == "alive"
+        assert sbx.files.read("/home/user/kept") == "across restarts"
+        assert Sandbox.kill(sid, **srv.sdk())
+        home = os.environ.get("CORDON_HOME", "/var/lib/cordon")
+        assert not os.path.exists(f"{home}/paused/{sid}.json")
+        assert not os.path.exists(f"{home}/paused/{sid}.mem")
+    finally:
+        if sid:
             try:
                 Sandbox.kill(sid, **srv.sdk())
             except Exception:

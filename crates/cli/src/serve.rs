@@ -282,9 +282,9 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         };
         // Before the pools and the first request: the uid ranges and ids of the sandboxes the
         // last server left running are taken back first.
-        let adopted = app.sandboxes.adopt_kept().await;
+        let adopted = app.sandboxes.adopt_kept().await + app.sandboxes.resume_saved_at_start().await;
         if adopted > 0 {
-            eprintln!("cordon serve: adopted {adopted} running sandbox(es) from the last server");
+            eprintln!("cordon serve: took over {adopted} running sandbox(es) from the last server");
         }
         if !pools.is_empty() {
             cordon_server::pool::Pools::start(&app, pools, pool_memory);

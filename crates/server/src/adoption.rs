@@ -10,6 +10,10 @@
 //! kept with no record (a pooled sandbox nobody took, a create the crash cut short) is ended;
 //! a record whose sandbox is gone (it died while no server watched it) is deleted.
 //!
+//! A tier that cannot let go of a running sandbox but can save one with its memory (gvisor,
+//! vm) has its running sandboxes paused to disk at a stop, marked for the next server, which
+//! resumes them at its start ([`Sandboxes::resume_saved_at_start`]); a crash loses those.
+//!
 //! What does not survive: connections open through the egress forwarder (new ones follow the
 //! policy as before), the start command's log so far, and the audit trail of denied syscalls
 //! (they stay denied; see the ns tier's notes). A deadline that passed meanwhile is applied by
@@ -147,6 +151,7 @@ impl Sandboxes {
         if let Some(pools) = self.pools.get() {
             pools.close().await;
         }
+        self.save_for_restart().await;
         let kept: Vec<Arc<LiveSandbox>> = self.all().into_iter().filter(|e| self.keeps(e.tier)).collect();
         let n = kept.len();
         for e in kept {
@@ -164,6 +169,76 @@ impl Sandboxes {
             tracing::info!(count = n, "sandboxes left running for the next server");
         }
         self.destroy_all().await;
+    }
+
+    /// The running sandboxes of the tiers that cannot outlive the server but can save a
+    /// sandbox with its memory (gvisor, vm) are paused to disk, each marked to be resumed by
+    /// the next server (see [`Sandboxes::resume_saved_at_start`]); one that cannot be saved now
+    /// (a gvisor sandbox with egress rules, a socket runsc cannot save) is left to be destroyed.
+    async fn save_for_restart(&self) {
+        let Some(saved) = &self.saved else { return };
+        let due: Vec<Arc<LiveSandbox>> = self
+            .all()
+            .into_iter()
+            .filter(|e| !self.keeps(e.tier) && e.frozen_at().is_none() && self.capabilities(e.tier).checkpoint)
+            .collect();
+        for e in due {
+            let _turn = e.transition.lock().await;
+            if !e.is_live() || !e.checkpointable().await {
+                tracing::info!(sandbox_id = %e.id, tier = %e.tier, "this sandbox cannot be saved now: it is destroyed with the server");
+                continue;
+            }
+            let end = unix_ms(e.end_at());
+            match saved.pause_with_memory(&e).await.and_then(|_| saved.set_resume_at_start(&e.id, Some(end))) {
+                Ok(()) => {
+                    if let Some(gone) = self.forget(&e.id) {
+                        self.destroy(&gone).await;
+                    }
+                    tracing::info!(sandbox_id = %e.id, tier = %e.tier, "sandbox saved with its memory, for the next server to resume");
+                }
+                Err(err) => tracing::warn!(sandbox_id = %e.id, "cannot save the sandbox for the next server: {}", err.message),
+            }
+        }
+    }
+
+    /// Resumes the sandboxes a stopping server saved for this one (see
+    /// [`Sandboxes::save_for_restart`]), each until its own deadline; one whose deadline passed
+    /// meanwhile stays paused if its lifecycle pauses at the deadline and is deleted otherwise.
+    /// Returns how many run again.
+    pub async fn resume_saved_at_start(self: &Arc<Self>) -> usize {
+        let Some(saved) = &self.saved else { return 0 };
+        let mut resumed = 0;
+        let now = unix_ms(SystemTime::now());
+        for r in saved.all() {
+            let Some(end) = r.resume_at_start else { continue };
+            if end <= now {
+                if r.lifecycle.auto_pause {
+                    let _ = saved.set_resume_at_start(&r.id, None);
+                    tracing::info!(sandbox_id = %r.id, "its deadline passed while no server ran: it stays paused");
+                } else {
+                    saved.delete(&r.id).await;
+                    self.stats.ended(r.tier, crate::server_metrics::EndReason::Timeout);
+                    tracing::info!(sandbox_id = %r.id, reason = "timeout", "its deadline passed while no server ran: deleted");
+                }
+                continue;
+            }
+            match crate::pause::resume(self, &r.id, Duration::from_millis(end - now)).await {
+                Ok((e, _)) => {
+                    // Its deadline to the millisecond, not one counted again after the resume.
+                    e.set_end_at(from_unix_ms(end));
+                    resumed += 1;
+                }
+                Err(e) => {
+                    // Left paused, as a user's pause would be: resumable by hand.
+                    let _ = saved.set_resume_at_start(&r.id, None);
+                    tracing::warn!(sandbox_id = %r.id, "cannot resume a sandbox the last server saved; it stays paused: {}", e.message);
+                }
+            }
+        }
+        if resumed > 0 {
+            tracing::info!(count = resumed, "sandboxes the last server saved resumed");
+        }
+        resumed
     }
 
     /// Adopts the sandboxes a previous server left running, as its records say, and ends those

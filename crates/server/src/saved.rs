@@ -71,6 +71,10 @@ pub struct Record {
     /// fork's), to be deleted with it, not its template's.
     #[serde(default)]
     pub owns_image: bool,
+    /// Saved by a stopping server rather than paused by its user: the next server resumes it
+    /// at its start, to run until this deadline (unix ms) as it would have.
+    #[serde(default)]
+    pub resume_at_start: Option<u64>,
 }
 
 impl Record {
@@ -530,6 +534,17 @@ impl Saved {
         Ok(record)
     }
 
+    /// Marks a sandbox just paused with its memory as saved by a stopping server (see
+    /// [`Record::resume_at_start`]), or clears that (`None`).
+    pub fn set_resume_at_start(&self, id: &str, end_unix_ms: Option<u64>) -> Result<(), ApiError> {
+        let Some(r) = self.get(id) else { return Err(ApiError::not_found(format!("sandbox {id} not found"))) };
+        let mut r = (*r).clone();
+        r.resume_at_start = end_unix_ms;
+        self.write_record(&r)?;
+        self.lock().insert(r.id.clone(), Arc::new(r));
+        Ok(())
+    }
+
     /// Writes a record by one rename, so that it is whole or absent.
     fn write_record(&self, record: &Record) -> Result<(), ApiError> {
         let path = self.dir.join(format!("{}.json", record.id));
@@ -633,6 +648,7 @@ fn record_of(e: &LiveSandbox, image: String, now: SystemTime) -> Record {
         disk: None,
         volume_mounts: e.volume_mounts.clone(),
         owns_image: false,
+        resume_at_start: None,
     }
 }
 
