@@ -6,9 +6,9 @@ server's port forwarding), files, the paused state, and the egress policy (an al
 host in a namespace of the test's own answers; a blocked one is refused and audited). A sandbox
 whose deadline passed while no server ran is ended by the next one.
 
-A gvisor sandbox, which the server cannot let go of running (its agent's link is the server's),
-is saved with its memory when the server stops and resumed by the next one: the same id, token,
-processes and files, until its own deadline."""
+The same holds for gvisor sandboxes, networked or not; two servers sharing a state directory
+never take each other's live sandboxes. A vm sandbox, which its server cannot let go of running
+yet, is saved with its memory at a stop and resumed by the next server, until its own deadline."""
 
 import os
 import signal
@@ -19,7 +19,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from conftest import Serve, needs_runsc, route_dev, sh
+from conftest import Serve, needs_qemu, needs_runsc, route_dev, sh
 
 NS = f"cordon-e2b-restart-{os.getpid()}"
 HOST_IP, NS_IP, PREFIX = "198.51.100.245", "198.51.100.246", 30
@@ -206,12 +206,114 @@ def test_sandboxes_outlive_a_sigterm_and_a_kill_9_of_the_server(tmp_path, outsid
 
 
 @needs_runsc
-def test_a_gvisor_sandbox_is_saved_at_a_stop_and_resumed_by_the_next_server(tmp_path):
+def test_gvisor_sandboxes_outlive_a_sigterm_and_a_kill_9_of_the_server(tmp_path, outside):
+    """The same for the gvisor tier, whose agent's link a holder process serves (so that the
+    server's end is not the link's): the same runsc processes after each restart, one sandbox
+    with an egress policy among them."""
+    log = open(tmp_path / "serve.log", "ab")
+    srv = Serve("--shutdown", "keep", log=log).start()
+    made = []
+    home = os.environ.get("CORDON_HOME", "/var/lib/cordon")
+
+    def runsc_pid(sid):
+        import json
+        with open(f"{home}/gvisor/run/{sid}/record.json") as f:
+            return json.load(f)["pid"]
+
+    try:
+        r = srv.api("POST", "/sandboxes", json={"templateID": "base", "tier": "gvisor", "timeout": 600, "metadata": {"who": "gvisor"}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        made.append(sid)
+        r = srv.api("POST", "/sandboxes", json={"templateID": "base", "tier": "gvisor", "timeout": 600, "network": {"allowOut": [outside], "denyOut": ["0.0.0.0/0"]}})
+        assert r.status_code == 201, r.text
+        nid = r.json()["sandboxID"]
+        made.append(nid)
+        sbx, net = Sandbox.connect(sid, **srv.sdk()), Sandbox.connect(nid, **srv.sdk())
+        job = sbx.commands.run("sleep 3600", background=True).pid
+        sbx.files.write("/home/user/kept", "across restarts")
+        assert "hello from outside" in net.commands.run(FETCH.format(ip=outside), timeout=120).stdout
+        end = srv.api("GET", f"/sandboxes/{sid}").json()["endAt"]
+        pids = {i: runsc_pid(i) for i in made}
+        for how in (signal.SIGTERM, signal.SIGKILL):
+            srv.stop(how)
+            assert all(alive(p) for p in pids.values()), f"a gvisor sandbox died with the server ({how})"
+            srv.start()
+            info = srv.api("GET", f"/sandboxes/{sid}").json()
+            assert (info["state"], info["metadata"]) == ("running", {"who": "gvisor"}), info
+            assert abs(iso_s(info["endAt"]) - iso_s(end)) < 0.01, (info["endAt"], end)
+            # Adopted, not made again: the same runsc processes.
+            assert {i: runsc_pid(i) for i in made} == pids
+            # The SDK objects made before the restart: the same ids and envd tokens.
+            assert sbx.commands.run(f"kill -0 {job} && echo alive", timeout=120).stdout.strip() == "alive"
+            assert sbx.files.read("/home/user/kept") == "across restarts"
+            got = net.commands.run(FETCH.format(ip=outside), timeout=120).stdout
+            assert "hello from outside" in got, f"after {how}: {got}"
+            got = net.commands.run(FETCH.format(ip=BLOCKED_IP), timeout=120).stdout
+            assert "refused" in got, f"after {how}: {got}"
+        for i in made:
+            assert Sandbox.kill(i, **srv.sdk())
+        for i, p in pids.items():
+            for _ in range(100):
+                if not alive(p):
+                    break
+                time.sleep(0.1)
+            assert not alive(p)
+            assert not os.path.exists(f"{home}/gvisor/run/{i}")
+            assert not os.path.exists(f"{home}/live/{i}.json")
+    finally:
+        for i in made:
+            try:
+                Sandbox.kill(i, **srv.sdk())
+            except Exception:
+                pass
+        srv.stop()
+        log.close()
+
+
+def test_a_server_never_adopts_the_sandboxes_of_another_that_runs(tmp_path):
+    """Two servers on one state directory: the second leaves the first's live sandbox alone (its
+    locks are held); once the first is killed, a third adopts it."""
+    logs = [open(tmp_path / f"serve-{i}.log", "ab") for i in range(3)]
+    a = Serve("--shutdown", "keep", log=logs[0]).start()
+    b = c = None
+    sid = None
+    try:
+        sbx = Sandbox.create(timeout=600, **a.sdk())
+        sid = sbx.sandbox_id
+        pid = init_pid(sid)
+        b = Serve("--shutdown", "keep", log=logs[1]).start()
+        assert b.api("GET", f"/sandboxes/{sid}").status_code == 404
+        assert sbx.commands.run("echo still-a").stdout.strip() == "still-a"
+        a.stop(signal.SIGKILL)
+        c = Serve("--shutdown", "keep", log=logs[2]).start()
+        assert c.api("GET", f"/sandboxes/{sid}").status_code == 200
+        assert init_pid(sid) == pid
+        # The one that started while the first still ran did not take it meanwhile.
+        assert b.api("GET", f"/sandboxes/{sid}").status_code == 404
+        assert Sandbox.kill(sid, **c.sdk())
+    finally:
+        for srv in (a, b, c):
+            if srv and sid:
+                try:
+                    Sandbox.kill(sid, **srv.sdk())
+                except Exception:
+                    pass
+        for srv in (a, b, c):
+            if srv:
+                srv.stop()
+        for f in logs:
+            f.close()
+
+
+@needs_qemu
+def test_a_vm_sandbox_is_saved_at_a_stop_and_resumed_by_the_next_server(tmp_path):
     log = open(tmp_path / "serve.log", "ab")
     srv = Serve("--shutdown", "keep", log=log).start()
     sid = None
+    home = os.environ.get("CORDON_HOME", "/var/lib/cordon")
     try:
-        r = srv.api("POST", "/sandboxes", json={"templateID": "base", "tier": "gvisor", "timeout": 600, "metadata": {"who": "gvisor"}})
+        r = srv.api("POST", "/sandboxes", json={"templateID": "base", "tier": "vm", "timeout": 900, "metadata": {"who": "vm"}})
         assert r.status_code == 201, r.text
         sid = r.json()["sandboxID"]
         sbx = Sandbox.connect(sid, **srv.sdk())
@@ -220,18 +322,17 @@ def test_a_gvisor_sandbox_is_saved_at_a_stop_and_resumed_by_the_next_server(tmp_
         end = srv.api("GET", f"/sandboxes/{sid}").json()["endAt"]
         srv.stop(signal.SIGTERM)
         assert srv.proc.returncode == 0, (tmp_path / "serve.log").read_text()
+        # Saved with its memory while no server runs: no VMM holds its RAM.
+        assert os.path.isdir(f"{home}/paused/{sid}.mem")
         srv.start()
         info = srv.api("GET", f"/sandboxes/{sid}").json()
-        assert (info["state"], info["metadata"]) == ("running", {"who": "gvisor"}), info
-        # Its own deadline (to the millisecond it is kept with), not one counted afresh.
+        assert (info["state"], info["metadata"]) == ("running", {"who": "vm"}), info
         assert abs(iso_s(info["endAt"]) - iso_s(end)) < 0.01, (info["endAt"], end)
-        # The SDK object made before the restart: the same id and envd token.
-        assert sbx.commands.run(f"kill -0 {job} && echo alive", timeout=120).stdout.strip() == "alive"
+        # The SDK object made before the restart: the same id and envd token, the same guest.
+        assert sbx.commands.run(f"kill -0 {job} && echo alive", timeout=300).stdout.strip() == "alive"
         assert sbx.files.read("/home/user/kept") == "across restarts"
         assert Sandbox.kill(sid, **srv.sdk())
-        home = os.environ.get("CORDON_HOME", "/var/lib/cordon")
         assert not os.path.exists(f"{home}/paused/{sid}.json")
-        assert not os.path.exists(f"{home}/paused/{sid}.mem")
     finally:
         if sid:
             try:

@@ -3,6 +3,7 @@
 //! One static binary plays three roles, chosen before anything else runs:
 //! - `cordon-agent` (argv[0]): PID 1 inside a sandbox;
 //! - `cordon __jail`: the single-threaded jailer that builds one sandbox;
+//! - `cordon __gvisor-link`: the process that serves a gvisor sandbox's agent link;
 //! - `/init` as PID 1: the guest init of a vm-tier sandbox;
 //! - everything else: the command line.
 
@@ -119,8 +120,10 @@ fn main() -> ExitCode {
     if std::path::Path::new(&argv0).file_name().is_some_and(|n| n == "cordon-agent") {
         cordon_agent::main();
     }
-    if args.next().is_some_and(|a| a == "__jail") {
-        cordon_jail::jailer::main();
+    match args.next() {
+        Some(a) if a == "__jail" => cordon_jail::jailer::main(),
+        Some(a) if a == "__gvisor-link" => cordon_gvisor::link_holder_main(),
+        _ => {}
     }
 
     // `cordon serve` takes the flags the command line leaves unset from its configuration file.

@@ -12,7 +12,7 @@ use crate::Gvisor;
 /// What gvisor sandboxes support: egress, but no host syscall audit (gVisor's own kernel
 /// answers every call, so the host's filter has nothing to record); a pause with memory saves
 /// the sandbox to disk with runsc's checkpoint (or, with host networking, freezes it in place).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: true, checkpoint_keeps_running: false, keep_disk: false, volumes: true, set_limits: true, survive_restart: false };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: true, freeze: true, keep_writable: true, checkpoint: true, checkpoint_keeps_running: false, keep_disk: false, volumes: true, set_limits: true, survive_restart: true };
 
 /// The tier table's row for gvisor.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Gvisor, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -58,11 +58,40 @@ impl Backend for GvisorBackend {
             restore: spec.restore.clone(),
             volumes: spec.volumes.clone(),
             egress_ca: spec.trusted_egress_ca().map(str::to_string),
+            default_user: agent_cfg.default_user.clone(),
+            keep: spec.keep,
         };
         let mut sandbox = self.gv.create(&cfg).map_err(|e| Error::failed("gvisor tier", e))?;
-        sandbox.set_default_user(&agent_cfg.default_user);
-        let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
-        let egress = Egress::start(sandbox.take_tun().map(cordon_sandbox::egress::Link::Tun), &spec.network, gateways, cordon_host::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)?;
+        let tun = sandbox.take_tun();
+        let egress = self.egress(tun, &sandbox, spec)?;
         Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }))
+    }
+
+    fn kept(&self, _tier: Tier) -> Vec<String> {
+        self.gv.kept()
+    }
+
+    fn adopt(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
+        let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
+        let image = self.store.get(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
+        let (sandbox, tun) = self.gv.adopt(&spec.id).map_err(|e| Error::failed("gvisor tier", e))?;
+        let egress = self.egress(tun, &sandbox, spec)?;
+        Ok(Box::new(HostBacked { sandbox, egress, start: image.meta.start.clone(), pin }))
+    }
+
+    fn exists(&self, _tier: Tier, id: &str) -> bool {
+        self.gv.exists(id)
+    }
+
+    fn reap_kept(&self, _tier: Tier) -> usize {
+        self.gv.reap_kept()
+    }
+}
+
+impl GvisorBackend {
+    /// The forwarder of `sandbox` on its TUN device, serving `spec.network`.
+    fn egress(&self, tun: Option<std::os::fd::OwnedFd>, sandbox: &crate::Sandbox, spec: &SandboxSpec) -> Result<Egress, Error> {
+        let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
+        Egress::start(tun.map(cordon_sandbox::egress::Link::Tun), &spec.network, gateways, cordon_host::tun::MTU, &self.upstream, &sandbox.cgroup, &spec.limits)
     }
 }

@@ -19,9 +19,11 @@
 //! - the agent reaches the host over its stdio pipes, multiplexed by `cordon-channel`, and the
 //!   host serves the usual agent socket in the sandbox's directory from it.
 
+mod adopt;
 pub mod backend;
 pub mod bundle;
 pub mod diagnose;
+mod holder;
 mod launch;
 pub mod netns;
 pub mod runsc;
@@ -37,6 +39,7 @@ use cordon_host::{ledger, Cgroup, Layout, Ledger};
 use cordon_sandbox::host_sandbox::HostSandbox;
 use cordon_spec::Limits;
 
+pub use holder::main as link_holder_main;
 pub use runsc::Runsc;
 
 /// Memory the host allows a gvisor sandbox on top of its cap: gVisor's kernel (the sentry), its
@@ -90,6 +93,11 @@ pub struct SandboxConfig {
     pub volumes: Vec<cordon_spec::VolumeMount>,
     /// The host's egress CA, added to the image's trust (bound over its bundle).
     pub egress_ca: Option<String>,
+    /// The user commands run as when they name none (the agent's), for the isolation report.
+    pub default_user: String,
+    /// Left running when this process exits, for the next owner to adopt with
+    /// [`Gvisor::adopt`] (`SandboxSpec::keep`).
+    pub keep: bool,
 }
 
 /// The tier on this host: runsc, the platform, the state directory.
@@ -150,15 +158,18 @@ impl Gvisor {
             entry,
             cgroup: Cgroup::plan(&self.layout, &cfg.id),
             child: None,
+            pid: None,
             pidfd: None,
             link: None,
+            holder: None,
             tun: None,
             networked: cfg.tun,
             runsc: self.runsc.path.clone(),
             key: self.key(&cfg.layers),
             held: Vec::new(),
             torn_down: false,
-            default_user: String::new(),
+            default_user: cfg.default_user.clone(),
+            keep: cfg.keep,
         };
         if let Some(saved) = &cfg.restore {
             if cfg.tun {
@@ -215,7 +226,6 @@ impl Gvisor {
         }
         .write(sb.entry.dir())?;
 
-        let listener = std::os::unix::net::UnixListener::bind(&sb.socket).map_err(io_err("bind the agent socket"))?;
         let plan = launch::Plan {
             runsc: &self.runsc.path,
             platform: &self.platform,
@@ -235,12 +245,20 @@ impl Gvisor {
         sb.pidfd = Some(launched.pidfd);
         // Waited for at teardown, which may come long after a checkpoint ended it.
         cordon_host::orphans::claim(launched.child.id());
+        sb.pid = Some(launched.child.id());
         sb.child = Some(launched.child);
         let opening = match cfg.restore {
             Some(_) => launch::Opening::Resume,
             None => launch::Opening::Config(cfg.agent_config.clone()),
         };
-        sb.link = Some(launch::serve_link(launched.from_agent, launched.to_agent, listener, opening)?);
+        let (holder, control) = holder::spawn(&self.agent, sb.entry.dir(), &sb.socket, launched.from_agent, launched.to_agent, opening, &sb.cgroup.join_files())?;
+        cordon_host::orphans::claim(holder.id());
+        sb.holder = Some(holder);
+        sb.link = Some(control);
+        if sb.keep {
+            // Before the record says `keep`: an adopter finds both or neither.
+            adopt::Facts::of(&sb).write(sb.entry.dir()).map_err(io_err("write the sandbox's facts"))?;
+        }
         sb.write_record()?;
         sb.wait_ready()?;
         // gVisor restores the hostname its kernel had: a copy restored under another id (a
@@ -282,8 +300,13 @@ pub struct Sandbox {
     socket: PathBuf,
     cgroup: Cgroup,
     child: Option<std::process::Child>,
+    /// Host pid of `runsc run` (whose child this process may not be: an adopted sandbox's).
+    pid: Option<u32>,
     pidfd: Option<OwnedFd>,
-    link: Option<launch::LinkThread>,
+    /// The control connection to the process serving the agent's link (see [`holder`]).
+    link: Option<holder::Control>,
+    /// That process, when this one started it.
+    holder: Option<std::process::Child>,
     tun: Option<OwnedFd>,
     /// Made with an egress policy: runsc runs with host networking, which it cannot save.
     networked: bool,
@@ -295,16 +318,13 @@ pub struct Sandbox {
     torn_down: bool,
     /// The user commands run as when they name none, for the isolation report.
     default_user: String,
+    /// Left running when this process exits (see [`SandboxConfig::keep`]).
+    keep: bool,
 }
 
 impl Sandbox {
     pub fn id(&self) -> &str {
         &self.id
-    }
-
-    /// Names the user commands run as by default (the agent's), for the isolation report.
-    pub fn set_default_user(&mut self, user: &str) {
-        self.default_user = user.to_string();
     }
 
     /// The TUN device of a sandbox created with `tun`, once, for the egress forwarder.
@@ -314,12 +334,15 @@ impl Sandbox {
 
     /// Host pid of `runsc run`.
     pub fn host_pid(&self) -> Option<u32> {
-        self.child.as_ref().map(|c| c.id())
+        self.pid
     }
 
     fn write_record(&self) -> Result<(), GvisorError> {
         let pid = self.host_pid().map(|p| p as i32);
-        self.entry.record(&self.id, &self.cgroup, pid, None).map_err(io_err("write record"))
+        // Kept only once its link is served: a create that dies half way is reaped as ever.
+        let keep = self.keep && self.link.is_some();
+        let rec = ledger::Record { id: self.id.clone(), cgroup: self.cgroup.clone(), pid, slot: None, keep };
+        self.entry.write(&rec).map_err(io_err("write record"))
     }
 
     /// runsc's own last words, for error messages.
@@ -362,14 +385,27 @@ impl Sandbox {
         let pid = self.host_pid().ok_or_else(|| GvisorError::Setup("the sandbox is not running".into()))?;
         let netns = fs::File::open(format!("/proc/{pid}/ns/net")).map_err(io_err("open the sandbox's network namespace"))?;
         let ns = netns.as_raw_fd();
+        // In the sandbox's groups: whatever ends the sandbox (a kill, a reap after the server's
+        // end) ends this runsc client too, so that no checkpoint goes on writing after it.
+        let groups: Vec<fs::File> = self.cgroup.join_files().iter().filter_map(|p| fs::OpenOptions::new().write(true).open(p).ok()).collect();
+        let group_fds: Vec<i32> = groups.iter().map(|f| f.as_raw_fd()).collect();
         let mut cmd = std::process::Command::new(&self.runsc);
         cmd.arg(format!("--root={}", self.entry.dir().join("runsc").display())).args(args).arg(&self.id).args(after).stdin(std::process::Stdio::null());
-        // SAFETY: one syscall on a descriptor opened above, between fork and exec.
+        // SAFETY: syscalls on descriptors opened above, between fork and exec.
         unsafe {
-            cmd.pre_exec(move || if libc::setns(ns, libc::CLONE_NEWNET) == 0 { Ok(()) } else { Err(io::Error::last_os_error()) });
+            cmd.pre_exec(move || {
+                for f in &group_fds {
+                    libc::write(*f, b"0".as_ptr().cast(), 1);
+                }
+                if libc::setns(ns, libc::CLONE_NEWNET) == 0 {
+                    Ok(())
+                } else {
+                    Err(io::Error::last_os_error())
+                }
+            });
         }
         let out = cmd.output().map_err(io_err(format!("run {}", self.runsc.display())))?;
-        drop(netns);
+        drop((netns, groups));
         if out.status.success() {
             return Ok(());
         }
@@ -399,8 +435,8 @@ impl Sandbox {
         }
         std::os::unix::fs::DirBuilderExt::mode(&mut fs::DirBuilder::new(), 0o700).create(dir).map_err(io_err(format!("create {}", dir.display())))?;
         let t = Instant::now();
-        let link = self.link.as_ref().ok_or_else(|| GvisorError::Setup("this sandbox has no agent link to park".into()))?;
-        if let Err(e) = link.park(&self.socket) {
+        let link = self.link.as_mut().ok_or_else(|| GvisorError::Setup("this sandbox has no agent link to park".into()))?;
+        if let Err(e) = link.park() {
             let _ = fs::remove_dir_all(dir);
             return Err(e);
         }
@@ -411,7 +447,7 @@ impl Sandbox {
             .and_then(|()| self.runsc_cmd(&["checkpoint", &format!("--image-path={}", image.display())]));
         if let Err(e) = checkpointed {
             let _ = fs::remove_dir_all(dir);
-            if let Some(link) = &self.link {
+            if let Some(link) = self.link.as_mut() {
                 let _ = link.wake();
             }
             return Err(e);
@@ -546,6 +582,10 @@ impl HostSandbox for Sandbox {
         Sandbox::checkpointable(self)
     }
 
+    fn leave_running(self) {
+        Sandbox::leave_running(self)
+    }
+
     /// Saves it for a pause; a running copy (a fork's source) is not kept on this tier: its
     /// forks and snapshots take its files.
     fn checkpoint(&mut self, dir: &Path, keep_running: bool) -> Result<(), cordon_sandbox::Error> {
@@ -564,7 +604,8 @@ impl HostSandbox for Sandbox {
         let mut held = std::mem::take(&mut self.held);
         held.extend(self.cgroup.pidfds());
         self.kill();
-        if let Some(mut child) = self.child.take() {
+        // Waited for before anything reaps by pidfd: a pid reaped elsewhere could be reused.
+        for mut child in [self.child.take(), self.holder.take()].into_iter().flatten() {
             let _ = child.kill();
             let _ = child.wait();
             cordon_host::orphans::release(child.id());
@@ -572,6 +613,7 @@ impl HostSandbox for Sandbox {
         let emptied = self.cgroup.kill_and_wait(Duration::from_secs(5));
         cordon_host::sys::reap_all(&held, Duration::from_millis(500));
         let removed = self.cgroup.remove();
+        // Killed with the group already (it is in it): the stop finds it gone.
         if let Some(link) = self.link.take() {
             link.stop();
         }

@@ -120,6 +120,11 @@ impl Ledger {
         entries.flatten().filter(|e| self.reap_one(&e.path(), young(e), true)).count()
     }
 
+    /// Whether sandbox `id` has a directory here (a live sandbox, or one not reaped yet).
+    pub fn has(&self, id: &str) -> bool {
+        !id.is_empty() && !id.contains('/') && self.dir.join(id).exists()
+    }
+
     /// The records of the sandboxes kept for a next owner whose owner is gone and whose init
     /// still runs: what [`Ledger::adopt`] can take back.
     pub fn kept(&self) -> Vec<Record> {

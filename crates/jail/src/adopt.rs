@@ -119,7 +119,7 @@ impl Jail {
 
     /// Whether sandbox `id` has a run directory (a live sandbox, or one not reaped yet).
     pub fn exists(&self, id: &str) -> bool {
-        !id.is_empty() && !id.contains('/') && self.ledger.dir().join(id).exists()
+        self.ledger.has(id)
     }
 
     /// Kills and removes the sandboxes kept running by an owner that is gone and not adopted.

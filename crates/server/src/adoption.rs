@@ -10,13 +10,15 @@
 //! kept with no record (a pooled sandbox nobody took, a create the crash cut short) is ended;
 //! a record whose sandbox is gone (it died while no server watched it) is deleted.
 //!
-//! A tier that cannot let go of a running sandbox but can save one with its memory (gvisor,
-//! vm) has its running sandboxes paused to disk at a stop, marked for the next server, which
+//! A tier that cannot let go of a running sandbox but can save one with its memory (vm) has
+//! its running sandboxes paused to disk at a stop, marked for the next server, which
 //! resumes them at its start ([`Sandboxes::resume_saved_at_start`]); a crash loses those.
 //!
 //! What does not survive: connections open through the egress forwarder (new ones follow the
-//! policy as before), the start command's log so far, and the audit trail of denied syscalls
-//! (they stay denied; see the ns tier's notes). A deadline that passed meanwhile is applied by
+//! policy as before), the start command's log so far, and the ns tier's audit trail of denied
+//! syscalls (they stay denied; see its notes). A running sandbox whose agent does not answer
+//! at adoption (caught by the crash in a transition: a gvisor agent parked for a checkpoint)
+//! is ended rather than listed but broken. A deadline that passed meanwhile is applied by
 //! the first sweep, which pauses or kills as the sandbox's lifecycle says.
 
 use std::collections::BTreeMap;
@@ -28,6 +30,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::registry::{LiveSandbox, Sandboxes, MAX_STREAMS_PER_SANDBOX};
+
+/// How long an adopted running sandbox's agent has to answer.
+const ADOPT_HEALTH_WITHIN: Duration = Duration::from_secs(5);
 
 /// What the API knows of a live sandbox that outlives the server.
 #[derive(Debug, Serialize, Deserialize)]
@@ -172,9 +177,9 @@ impl Sandboxes {
     }
 
     /// The running sandboxes of the tiers that cannot outlive the server but can save a
-    /// sandbox with its memory (gvisor, vm) are paused to disk, each marked to be resumed by
+    /// sandbox with its memory (vm) are paused to disk, each marked to be resumed by
     /// the next server (see [`Sandboxes::resume_saved_at_start`]); one that cannot be saved now
-    /// (a gvisor sandbox with egress rules, a socket runsc cannot save) is left to be destroyed.
+    /// is left to be destroyed.
     async fn save_for_restart(&self) {
         let Some(saved) = &self.saved else { return };
         let due: Vec<Arc<LiveSandbox>> = self
@@ -267,6 +272,11 @@ impl Sandboxes {
                 tracing::info!(tier = %tier, count = reaped, "sandboxes left running with no record (or not adoptable) ended");
             }
         }
+        // What a save cut short by the last server's end wrote meanwhile (its writer was in
+        // the sandbox's groups: ended with it if it was not adopted).
+        if let Some(saved) = &self.saved {
+            saved.sweep_unnamed_saves();
+        }
         // Records of sandboxes that ended while no server watched them (not those of another
         // server's live sandboxes, on a state directory two servers share).
         if let Ok(entries) = fs::read_dir(&dir) {
@@ -311,6 +321,15 @@ impl Sandboxes {
             .await
             .map_err(|e| cordon_sandbox::Error::failed("adopt", std::io::Error::other(e.to_string())))?;
             thawed?;
+            // A running sandbox answers at once. One that does not was in a transition the
+            // server's end cut short (a gvisor agent parked for a checkpoint): it is ended, as
+            // its dropped handle does, rather than listed but broken.
+            let client = cordon_envd::EnvdClient::new(instance_thawed.socket_path().to_path_buf());
+            if let Err(e) = client.wait_healthy(ADOPT_HEALTH_WITHIN).await {
+                let id = rec.id.clone();
+                tokio::task::spawn_blocking(move || drop(instance_thawed)).await.ok();
+                return Err(cordon_sandbox::Error::Unavailable(format!("sandbox {id}'s agent does not answer ({e})")));
+            }
             return self.enlist_adopted(rec, instance_thawed, leases);
         }
         self.enlist_adopted(rec, instance, leases)

@@ -185,15 +185,8 @@ impl Saved {
             }
         }
         let snapshots = crate::snapshots::Snapshots::open(state_dir)?;
-        // Memory saved by a pause whose record was never written (a server killed half-way).
-        for entry in fs::read_dir(&dir).map_err(io(format!("list {}", dir.display())))?.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if entry.path().is_dir() && !records.values().any(|r: &Arc<Record>| r.kept_dir_name() == Some(name.as_str())) {
-                tracing::info!(dir = %entry.path().display(), "deleting a saved memory no paused sandbox names (left by a server that stopped half-way)");
-                let _ = fs::remove_dir_all(entry.path());
-            }
-        }
         let saved = Saved { store, dir, paused_ttl, budget, records: Mutex::new(records), snapshots, volumes, holds: Mutex::new(HashMap::new()) };
+        saved.sweep_unnamed_saves();
         saved.sweep_orphans();
         for r in saved.all() {
             saved.hold(&r);
@@ -215,6 +208,20 @@ impl Saved {
 
     /// Images of this server's making that nothing names: no sandbox survives a restart, so
     /// every sandbox's own image is one, and so is a paused image without its record.
+    /// Deletes memory or disks saved by a pause whose record was never written (a server killed
+    /// half-way). Run again once the sandboxes a killed server left are adopted or ended: a
+    /// save it started may have gone on writing until then.
+    pub(crate) fn sweep_unnamed_saves(&self) {
+        let Ok(entries) = fs::read_dir(&self.dir) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if entry.path().is_dir() && !self.lock().values().any(|r| r.kept_dir_name() == Some(name.as_str())) {
+                tracing::info!(dir = %entry.path().display(), "deleting a saved memory no paused sandbox names (left by a server that stopped half-way)");
+                let _ = fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+
     fn sweep_orphans(&self) {
         let Ok(images) = self.store.list() else { return };
         let named: Vec<String> = self.lock().values().map(|r| r.image.clone()).chain(self.snapshots.images()).collect();
