@@ -341,3 +341,64 @@ def test_a_vm_sandbox_is_saved_at_a_stop_and_resumed_by_the_next_server(tmp_path
                 pass
         srv.stop()
         log.close()
+
+
+@needs_runsc
+def test_ten_sandboxes_of_two_tiers_outlive_a_sigterm_and_a_kill_9(tmp_path, outside):
+    """The whole: ten live sandboxes on the ns and gvisor tiers, two of them with egress
+    policies and one paused, through a SIGTERM and then a `kill -9` of their server; after each
+    restart every one is listed with its state and works with what it had."""
+    log = open(tmp_path / "serve.log", "ab")
+    srv = Serve("--shutdown", "keep", log=log).start()
+    policy = {"allowOut": [outside], "denyOut": ["0.0.0.0/0"]}
+    plan = [("ns", None)] * 6 + [("gvisor", None)] * 2 + [("ns", policy), ("gvisor", policy)]
+    made = []
+    try:
+        for i, (tier, network) in enumerate(plan):
+            body = {"templateID": "base", "tier": tier, "timeout": 900, "metadata": {"n": str(i)}}
+            if network:
+                body["network"] = network
+            r = srv.api("POST", "/sandboxes", json=body)
+            assert r.status_code == 201, r.text
+            sbx = Sandbox.connect(r.json()["sandboxID"], **srv.sdk())
+            job = sbx.commands.run("sleep 3600", background=True, timeout=120).pid
+            sbx.files.write("/home/user/kept", f"sandbox {i}")
+            made.append((sbx, job, network is not None))
+        paused = made[1][0]
+        assert paused.pause()
+        for how in (signal.SIGTERM, signal.SIGKILL):
+            srv.stop(how)
+            srv.start()
+            listed = {s.sandbox_id for s in Sandbox.list(**srv.sdk()).next_items()}
+            for i, (sbx, job, networked) in enumerate(made):
+                assert sbx.sandbox_id in listed, f"sandbox {i} ({plan[i][0]}) is not listed after {how}"
+                info = srv.api("GET", f"/sandboxes/{sbx.sandbox_id}").json()
+                assert info["metadata"] == {"n": str(i)}, info
+                assert info["state"] == ("paused" if sbx is paused else "running"), info
+                if sbx is paused:
+                    continue
+                assert sbx.commands.run(f"kill -0 {job} && echo alive", timeout=120).stdout.strip() == "alive", f"sandbox {i} after {how}"
+                assert sbx.files.read("/home/user/kept") == f"sandbox {i}"
+                if networked:
+                    got = sbx.commands.run(FETCH.format(ip=outside), timeout=120).stdout
+                    assert "hello from outside" in got, f"sandbox {i} after {how}: {got}"
+                    got = sbx.commands.run(FETCH.format(ip=BLOCKED_IP), timeout=120).stdout
+                    assert "refused" in got, f"sandbox {i} after {how}: {got}"
+            # The paused one resumes with its job, and is paused again for the next round.
+            again = Sandbox.connect(paused.sandbox_id, **srv.sdk())
+            assert again.commands.run(f"kill -0 {made[1][1]} && echo alive").stdout.strip() == "alive"
+            assert again.files.read("/home/user/kept") == "sandbox 1"
+            assert again.pause()
+        for sbx, _, _ in made:
+            assert Sandbox.kill(sbx.sandbox_id, **srv.sdk())
+        home = os.environ.get("CORDON_HOME", "/var/lib/cordon")
+        for sbx, _, _ in made:
+            assert not os.path.exists(f"{home}/live/{sbx.sandbox_id}.json")
+    finally:
+        for sbx, _, _ in made:
+            try:
+                Sandbox.kill(sbx.sandbox_id, **srv.sdk())
+            except Exception:
+                pass
+        srv.stop()
+        log.close()
