@@ -74,7 +74,7 @@ impl Gvisor {
             child: None,
             pid: Some(pid as u32),
             pidfd: Some(pidfd),
-            link: Some(link),
+            link: Some(crate::Link::Holder(link)),
             holder: None,
             tun: None,
             networked: facts.networked,

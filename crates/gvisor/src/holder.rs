@@ -1,6 +1,7 @@
-//! The link holder: a small process per gvisor sandbox (`cordon __gvisor-link`) that holds the
-//! host's ends of the agent's stdio and serves the agent's socket from them, so that the
-//! sandbox outlives the process that made it.
+//! The link holder: a small process per gvisor sandbox made to outlive the process that made
+//! it (`SandboxConfig::keep`: a server's), `cordon __gvisor-link`, which holds the host's ends of
+//! the agent's stdio and serves the agent's socket from them. Other sandboxes (a one-shot
+//! run's) keep the link in a thread of their maker, which costs no exec.
 //!
 //! The agent's link is one multiplexed session over `runsc run`'s stdin and stdout. Served by a
 //! thread of the server, it died with the server: a session cut mid-frame cannot be taken up

@@ -251,10 +251,17 @@ impl Gvisor {
             Some(_) => launch::Opening::Resume,
             None => launch::Opening::Config(cfg.agent_config.clone()),
         };
-        let (holder, control) = holder::spawn(&self.agent, sb.entry.dir(), &sb.socket, launched.from_agent, launched.to_agent, opening, &sb.cgroup.join_files())?;
-        cordon_host::orphans::claim(holder.id());
-        sb.holder = Some(holder);
-        sb.link = Some(control);
+        // A sandbox that outlives this process has its link served by a holder process of its
+        // own; any other (a one-shot run's, a build's) by a thread here, which costs no exec.
+        sb.link = Some(if sb.keep {
+            let (holder, control) = holder::spawn(&self.agent, sb.entry.dir(), &sb.socket, launched.from_agent, launched.to_agent, opening, &sb.cgroup.join_files())?;
+            cordon_host::orphans::claim(holder.id());
+            sb.holder = Some(holder);
+            Link::Holder(control)
+        } else {
+            let listener = std::os::unix::net::UnixListener::bind(&sb.socket).map_err(io_err("bind the agent socket"))?;
+            Link::Thread(launch::serve_link(launched.from_agent, launched.to_agent, listener, opening)?)
+        });
         if sb.keep {
             // Before the record says `keep`: an adopter finds both or neither.
             adopt::Facts::of(&sb).write(sb.entry.dir()).map_err(io_err("write the sandbox's facts"))?;
@@ -292,6 +299,36 @@ impl Gvisor {
     }
 }
 
+/// What serves a sandbox's agent link: a thread of this process, or, for a sandbox that
+/// outlives it, a holder process this one controls (see [`holder`]).
+enum Link {
+    Thread(launch::LinkThread),
+    Holder(holder::Control),
+}
+
+impl Link {
+    fn park(&mut self, socket: &Path) -> Result<(), GvisorError> {
+        match self {
+            Link::Thread(t) => t.park(socket),
+            Link::Holder(c) => c.park(),
+        }
+    }
+
+    fn wake(&mut self) -> Result<(), GvisorError> {
+        match self {
+            Link::Thread(t) => t.wake(),
+            Link::Holder(c) => c.wake(),
+        }
+    }
+
+    fn stop(self) {
+        match self {
+            Link::Thread(t) => t.stop(),
+            Link::Holder(c) => c.stop(),
+        }
+    }
+}
+
 /// A live gvisor sandbox. Dropping it kills everything in it and removes every trace.
 pub struct Sandbox {
     id: String,
@@ -303,8 +340,8 @@ pub struct Sandbox {
     /// Host pid of `runsc run` (whose child this process may not be: an adopted sandbox's).
     pid: Option<u32>,
     pidfd: Option<OwnedFd>,
-    /// The control connection to the process serving the agent's link (see [`holder`]).
-    link: Option<holder::Control>,
+    /// What serves the agent's link.
+    link: Option<Link>,
     /// That process, when this one started it.
     holder: Option<std::process::Child>,
     tun: Option<OwnedFd>,
@@ -385,27 +422,14 @@ impl Sandbox {
         let pid = self.host_pid().ok_or_else(|| GvisorError::Setup("the sandbox is not running".into()))?;
         let netns = fs::File::open(format!("/proc/{pid}/ns/net")).map_err(io_err("open the sandbox's network namespace"))?;
         let ns = netns.as_raw_fd();
-        // In the sandbox's groups: whatever ends the sandbox (a kill, a reap after the server's
-        // end) ends this runsc client too, so that no checkpoint goes on writing after it.
-        let groups: Vec<fs::File> = self.cgroup.join_files().iter().filter_map(|p| fs::OpenOptions::new().write(true).open(p).ok()).collect();
-        let group_fds: Vec<i32> = groups.iter().map(|f| f.as_raw_fd()).collect();
         let mut cmd = std::process::Command::new(&self.runsc);
         cmd.arg(format!("--root={}", self.entry.dir().join("runsc").display())).args(args).arg(&self.id).args(after).stdin(std::process::Stdio::null());
-        // SAFETY: syscalls on descriptors opened above, between fork and exec.
+        // SAFETY: one syscall on a descriptor opened above, between fork and exec.
         unsafe {
-            cmd.pre_exec(move || {
-                for f in &group_fds {
-                    libc::write(*f, b"0".as_ptr().cast(), 1);
-                }
-                if libc::setns(ns, libc::CLONE_NEWNET) == 0 {
-                    Ok(())
-                } else {
-                    Err(io::Error::last_os_error())
-                }
-            });
+            cmd.pre_exec(move || if libc::setns(ns, libc::CLONE_NEWNET) == 0 { Ok(()) } else { Err(io::Error::last_os_error()) });
         }
         let out = cmd.output().map_err(io_err(format!("run {}", self.runsc.display())))?;
-        drop((netns, groups));
+        drop(netns);
         if out.status.success() {
             return Ok(());
         }
@@ -436,7 +460,7 @@ impl Sandbox {
         std::os::unix::fs::DirBuilderExt::mode(&mut fs::DirBuilder::new(), 0o700).create(dir).map_err(io_err(format!("create {}", dir.display())))?;
         let t = Instant::now();
         let link = self.link.as_mut().ok_or_else(|| GvisorError::Setup("this sandbox has no agent link to park".into()))?;
-        if let Err(e) = link.park() {
+        if let Err(e) = link.park(&self.socket) {
             let _ = fs::remove_dir_all(dir);
             return Err(e);
         }
