@@ -272,8 +272,9 @@ impl Sandboxes {
                 tracing::info!(tier = %tier, count = reaped, "sandboxes left running with no record (or not adoptable) ended");
             }
         }
-        // What a save cut short by the last server's end wrote meanwhile (its writer was in
-        // the sandbox's groups: ended with it if it was not adopted).
+        // What a save cut short by the last server's end wrote meanwhile: a `runsc checkpoint`
+        // it started makes its directory first and ends with the sandbox it saves, which was
+        // not adopted (its agent was parked) and is ended by now.
         if let Some(saved) = &self.saved {
             saved.sweep_unnamed_saves();
         }
