@@ -7,15 +7,19 @@ TEST-NET address appears in a rule; nothing is dialled."""
 import json
 import os
 import subprocess
+import time
+import uuid
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, Secret
 
 from conftest import API_KEY, API_URL, needs_qemu, needs_runsc
 from test_server import STATE
 
 H = {"X-API-KEY": API_KEY}
+# bpf(2), which the filter denies: prints the errno it failed with.
+DENIED = "python3 -c \"import ctypes; l=ctypes.CDLL(None, use_errno=True); l.syscall(321, 0, 0, 0); print(ctypes.get_errno())\""
 
 
 def create(**body):
@@ -77,7 +81,18 @@ def test_an_ns_sandbox_s_report_matches_its_configuration_the_host_s_proc_and_it
         assert ("/", "overlay") in targets and ("/proc", "proc") in targets, targets
         assert "/proc/kcore" in v["maskedProc"] and "/proc/sys/kernel/random/boot_id" in v["maskedProc"]
         assert v["network"]["enabled"] is False and v["network"]["allowOut"] == []
-        assert v["usage"]["memoryBytes"] > 0
+        assert v["usage"]["memoryBytes"] > 0 and v["usage"]["cpuUsec"] > 0, v["usage"]
+        # The audit counters move with what the sandbox does: a denied call is counted.
+        assert "records it" in v["seccomp"]["notified"], v["seccomp"]
+        denied_before = v["audit"]["deniedSyscalls"]
+        assert Sandbox.connect(sid).commands.run(DENIED, timeout=60).stdout.strip() == "1"
+        counted = denied_before
+        for _ in range(50):
+            counted = report(sid)["audit"]["deniedSyscalls"]
+            if counted > denied_before:
+                break
+            time.sleep(0.1)
+        assert counted > denied_before, (denied_before, counted)
         # The default user's capabilities, as a command of the sandbox sees them.
         own = Sandbox.connect(sid).commands.run("cat /proc/self/status", timeout=60).stdout
         user = v["capabilities"]["defaultUser"]
@@ -152,12 +167,46 @@ def test_a_gvisor_sandbox_s_report_says_what_the_host_cannot_see_and_verifies_th
         kill(sid)
 
 
+@needs_runsc
+def test_a_networked_gvisor_sandbox_s_report_names_the_hosts_whose_tls_is_terminated():
+    """An injection rule makes the forwarder terminate TLS to its host: the report says which."""
+    secret = f"iso-{uuid.uuid4().hex[:10]}"
+    Secret.create(secret, f"sk-{uuid.uuid4().hex}")
+    rules = {"api.e2b.test": [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets." + secret + "}"}}}]}
+    try:
+        sid = create(tier="gvisor", cpuCount=1, network={"allowOut": ["203.0.113.7"], "denyOut": ["198.51.100.0/24"], "rules": rules})
+        try:
+            v = report(sid)
+            n = v["network"]
+            assert (n["enabled"], n["allowOut"], n["denyOut"]) == (True, ["203.0.113.7/32"], ["198.51.100.0/24"]), n
+            assert n["tlsTerminatedHosts"] == ["api.e2b.test"], n
+            # Nothing was sent yet, so nothing was injected.
+            assert v["audit"]["injectedHeaders"] == 0, v["audit"]
+            assert v["cgroup"]["cpuQuotaUs"] and v["cgroup"]["cpuQuotaUs"] >= v["cgroup"]["cpuPeriodUs"], v["cgroup"]
+            p = inspect(sid, "--verify")
+            assert p.returncode == 0, p.stderr
+            assert "network.enabled (interfaces besides lo)" in json.loads(p.stdout)["verify"]["checked"]
+        finally:
+            kill(sid)
+        # Without rules, no TLS is terminated.
+        sid = create(tier="gvisor", network={"allowOut": ["203.0.113.7"]})
+        try:
+            assert report(sid)["network"]["tlsTerminatedHosts"] == []
+        finally:
+            kill(sid)
+    finally:
+        Secret.destroy(secret)
+
+
 @needs_qemu
 def test_a_vm_sandbox_s_report_names_its_vmm_and_guest_kernel():
-    sid = create(tier="vm")
+    sid = create(tier="vm", memoryMB=384)
     try:
         v = report(sid)
         assert v["tier"] == "vm" and v["runtime"]["accelerator"] in ("tcg", "kvm"), v["runtime"]
+        # The VMM's group holds the guest's RAM and QEMU's own share on top.
+        assert v["cgroup"]["memoryBytes"] > 384 << 20 and "cgroup" not in v["unknown"], v["cgroup"]
+        assert v["usage"]["memoryBytes"] > 0, v["usage"]
         assert v["runtime"]["version"].startswith("QEMU") and "guest" in v["runtime"]["kernel"], v["runtime"]
         assert v["namespaces"] is None and "guest" in v["unknown"]["namespaces"]
         p = inspect(sid, "--verify")

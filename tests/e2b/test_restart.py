@@ -24,6 +24,8 @@ from conftest import Serve, needs_qemu, needs_runsc, route_dev, sh
 NS = f"cordon-e2b-restart-{os.getpid()}"
 HOST_IP, NS_IP, PREFIX = "198.51.100.245", "198.51.100.246", 30
 BLOCKED_IP = "203.0.113.78"
+# bpf(2), which the filter denies: prints the errno it failed with.
+DENIED = "python3 -c \"import ctypes; l=ctypes.CDLL(None, use_errno=True); l.syscall(321, 0, 0, 0); print(ctypes.get_errno())\""
 
 FETCH = (
     "python3 -c \"import socket,sys; s=socket.socket(); s.settimeout(10)\n"
@@ -131,6 +133,11 @@ def test_sandboxes_outlive_a_sigterm_and_a_kill_9_of_the_server(tmp_path, outsid
 
         inits = {sid: init_pid(sid) for sid in made}
         net_info = srv.api("GET", f"/sandboxes/{net.sandbox_id}").json()
+        # A denied syscall is recorded and refused with EPERM while the server that made the
+        # sandbox holds its filter's listener.
+        assert plain.commands.run(DENIED, timeout=60).stdout.strip() == "1"
+        filter_before = srv.api("GET", f"/sandboxes/{plain.sandbox_id}/isolation").json()["seccomp"]
+        assert "EPERM" in filter_before["notified"], filter_before
 
         for how in (signal.SIGTERM, signal.SIGKILL):
             srv.stop(how)
@@ -151,6 +158,12 @@ def test_sandboxes_outlive_a_sigterm_and_a_kill_9_of_the_server(tmp_path, outsid
             assert info["metadata"] == {"who": "plain"}, info
             assert plain.commands.run("echo $KEPT").stdout.strip() == "yes"
             check_running(srv, plain, job, web_host)
+            # The same filter, whose listener went with the old server: the kernel answers
+            # ENOSYS for it, and the report says so rather than promise a record.
+            filter_now = srv.api("GET", f"/sandboxes/{plain.sandbox_id}/isolation").json()["seccomp"]
+            assert filter_now["sha256"] == filter_before["sha256"], (filter_before, filter_now)
+            assert "ENOSYS" in filter_now["notified"], filter_now
+            assert plain.commands.run(DENIED, timeout=60).stdout.strip() == "38"
 
             # The egress policy holds: the allowed host answers, the rest is refused and audited.
             assert srv.api("GET", f"/sandboxes/{net.sandbox_id}").json().get("network") == net_info.get("network")

@@ -32,6 +32,9 @@ const FACTS: &str = "jail.json";
 pub(crate) struct Facts {
     landlock: Option<landlock::Enforced>,
     allow_ptrace: bool,
+    /// Written by servers from before this field: read as a filter without notification.
+    #[serde(default)]
+    notifies: bool,
     connect_ports: Option<Vec<(u16, u16)>>,
     default_user: String,
     tun: bool,
@@ -43,6 +46,7 @@ impl Facts {
         Facts {
             landlock: sb.landlock,
             allow_ptrace: sb.allow_ptrace,
+            notifies: sb.notifies,
             connect_ports: sb.connect_ports.clone(),
             default_user: sb.default_user.clone(),
             tun,
@@ -109,6 +113,7 @@ impl Jail {
             kept_writable: None,
             keeps_writable: facts.keeps_writable,
             allow_ptrace: facts.allow_ptrace,
+            notifies: facts.notifies,
             connect_ports: facts.connect_ports,
             default_user: facts.default_user,
             keep: true,

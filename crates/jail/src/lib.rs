@@ -166,6 +166,7 @@ impl Jail {
             kept_writable: None,
             keeps_writable: false,
             allow_ptrace: cfg.allow_ptrace,
+            notifies: cfg.audit,
             connect_ports: cfg.connect_ports.clone(),
             default_user: cfg.default_user.clone(),
             keep: cfg.keep,
@@ -270,6 +271,9 @@ pub struct Sandbox {
     keeps_writable: bool,
     /// The filter's and Landlock's settings, for the isolation report.
     allow_ptrace: bool,
+    /// The filter hands denied syscalls to a listener (built for the audit). It stays so for
+    /// the sandbox's life, even once the listener is gone with an earlier owner.
+    notifies: bool,
     connect_ports: Option<Vec<(u16, u16)>>,
     /// The user commands run as when they name none, for the isolation report.
     default_user: String,
@@ -431,15 +435,15 @@ impl HostSandbox for Sandbox {
             use sha2::Digest;
             sha2::Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
         };
-        let audit = self.audit.is_some();
         f.seccomp = Some(Seccomp {
-            sha256: sha(&seccomp::program(self.allow_ptrace, audit)),
+            sha256: sha(&seccomp::program(self.allow_ptrace, self.notifies)),
             policy: "crates/jail/seccomp/sandbox.json (built in)".into(),
             policy_sha256: sha(seccomp::POLICY.as_bytes()),
-            notified: if audit {
-                "every syscall the allowlist denies: the host records it and answers EPERM".into()
-            } else {
-                "none: denied syscalls fail with EPERM at once".into()
+            notified: match (self.notifies, self.audit.is_some()) {
+                (true, true) => "every syscall the allowlist denies: the host records it and answers EPERM".into(),
+                // The kernel answers for a listener that is gone (see `adopt`).
+                (true, false) => "every syscall the allowlist denies, to a listener that was an earlier server's: they fail with ENOSYS, unrecorded".into(),
+                (false, _) => "none: denied syscalls fail with EPERM at once".into(),
             },
         });
         f.landlock = self.landlock.map(|l| cordon_sandbox::report::Landlock {

@@ -64,6 +64,11 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.vm.socket_path()
     }
 
+    /// The VMM's groups: the guest's memory and vCPUs plus the VMM's own share.
+    fn cgroup_limits(&self) -> Option<cordon_sandbox::report::CgroupLimits> {
+        Some(self.vm.cgroup().limits())
+    }
+
     fn death_fd(&self) -> Option<OwnedFd> {
         self.vm.pidfd().and_then(|fd| fd.try_clone_to_owned().ok())
     }
