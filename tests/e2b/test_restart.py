@@ -6,9 +6,8 @@ server's port forwarding), files, the paused state, and the egress policy (an al
 host in a namespace of the test's own answers; a blocked one is refused and audited). A sandbox
 whose deadline passed while no server ran is ended by the next one.
 
-The same holds for gvisor sandboxes, networked or not; two servers sharing a state directory
-never take each other's live sandboxes. A vm sandbox, which its server cannot let go of running
-yet, is saved with its memory at a stop and resumed by the next server, until its own deadline."""
+The same holds for gvisor and vm sandboxes, networked or not; two servers sharing a state
+directory never take each other's live sandboxes."""
 
 import os
 import signal
@@ -83,6 +82,15 @@ def iso_s(t):
 
 def alive(pid):
     return os.path.exists(f"/proc/{pid}")
+
+
+def gone(pid, within=10):
+    """Whether process `pid` is gone within `within` seconds (an orphan's parent is whatever
+    reaps orphans here, which may take a moment to)."""
+    deadline = time.monotonic() + within
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(pid)
 
 
 def init_pid(sid):
@@ -319,35 +327,97 @@ def test_a_server_never_adopts_the_sandboxes_of_another_that_runs(tmp_path):
             f.close()
 
 
+def vmm_pid(sid):
+    """The host pid of a vm sandbox's VMM, from the vm tier's run ledger."""
+    import json
+    with open(f"{os.environ.get('CORDON_HOME', '/var/lib/cordon')}/vm/run/{sid}/record.json") as f:
+        return json.load(f)["pid"]
+
+
+def link_holders(sid):
+    """Pids of the processes serving a sandbox's links (`cordon __vm-link .../<sid>/...`)."""
+    found = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 2 and argv[1] == b"__vm-link" and f"/{sid}/".encode() in argv[2]:
+            found.append(int(p))
+    return found
+
+
 @needs_qemu
-def test_a_vm_sandbox_is_saved_at_a_stop_and_resumed_by_the_next_server(tmp_path):
+def test_vm_sandboxes_outlive_a_sigterm_and_a_kill_9_of_the_server(tmp_path, outside):
+    """A VM's agent link and its monitor's and network link's host ends are held by a holder
+    process, so its VMM runs on through a SIGTERM and a `kill -9` of the server; the next
+    server adopts it with its guest, processes, files and egress policy, and can still pause
+    (save through the adopted monitor) and resume it."""
     log = open(tmp_path / "serve.log", "ab")
     srv = Serve("--shutdown", "keep", log=log).start()
-    sid = None
-    home = os.environ.get("CORDON_HOME", "/var/lib/cordon")
+    made = []
     try:
         r = srv.api("POST", "/sandboxes", json={"templateID": "base", "tier": "vm", "timeout": 900, "metadata": {"who": "vm"}})
         assert r.status_code == 201, r.text
-        sid = r.json()["sandboxID"]
-        sbx = Sandbox.connect(sid, **srv.sdk())
-        job = sbx.commands.run("sleep 3600", background=True).pid
-        sbx.files.write("/home/user/kept", "across restarts")
-        end = srv.api("GET", f"/sandboxes/{sid}").json()["endAt"]
-        srv.stop(signal.SIGTERM)
-        assert srv.proc.returncode == 0, (tmp_path / "serve.log").read_text()
-        # Saved with its memory while no server runs: no VMM holds its RAM.
-        assert os.path.isdir(f"{home}/paused/{sid}.mem")
-        srv.start()
-        info = srv.api("GET", f"/sandboxes/{sid}").json()
-        assert (info["state"], info["metadata"]) == ("running", {"who": "vm"}), info
-        assert abs(iso_s(info["endAt"]) - iso_s(end)) < 0.01, (info["endAt"], end)
-        # The SDK object made before the restart: the same id and envd token, the same guest.
-        assert sbx.commands.run(f"kill -0 {job} && echo alive", timeout=300).stdout.strip() == "alive"
-        assert sbx.files.read("/home/user/kept") == "across restarts"
-        assert Sandbox.kill(sid, **srv.sdk())
-        assert not os.path.exists(f"{home}/paused/{sid}.json")
+        plain = Sandbox.connect(r.json()["sandboxID"], **srv.sdk())
+        made.append(plain.sandbox_id)
+        job = plain.commands.run("sleep 3600", background=True, timeout=300).pid
+        plain.files.write("/home/user/kept", "across restarts")
+        policy = {"allowOut": [outside], "denyOut": ["0.0.0.0/0"]}
+        r = srv.api("POST", "/sandboxes", json={"templateID": "base", "tier": "vm", "timeout": 900, "network": policy})
+        assert r.status_code == 201, r.text
+        net = Sandbox.connect(r.json()["sandboxID"], **srv.sdk())
+        made.append(net.sandbox_id)
+        assert "hello from outside" in net.commands.run(FETCH.format(ip=outside), timeout=300).stdout
+        vmms = {sid: vmm_pid(sid) for sid in made}
+        holders = {sid: link_holders(sid) for sid in made}
+        assert all(len(h) == 1 for h in holders.values()), holders
+
+        for how in (signal.SIGTERM, signal.SIGKILL):
+            srv.stop(how)
+            assert all(alive(p) for p in vmms.values()), f"a VM died with the server ({how})"
+            if how == signal.SIGTERM:
+                assert srv.proc.returncode == 0, (tmp_path / "serve.log").read_text()
+            srv.start()
+            listed = {s.sandbox_id for s in Sandbox.list(**srv.sdk()).next_items()}
+            assert set(made) <= listed, f"not adopted after {how}: {sorted(listed)}"
+            # The same VMMs and holders: adopted, not restored or booted again.
+            assert {sid: vmm_pid(sid) for sid in made} == vmms
+            assert {sid: link_holders(sid) for sid in made} == holders
+            info = srv.api("GET", f"/sandboxes/{plain.sandbox_id}").json()
+            assert (info["state"], info["metadata"]) == ("running", {"who": "vm"}), info
+            # The SDK objects made before the restart: the same ids and tokens, the same guests.
+            assert plain.commands.run(f"kill -0 {job} && echo alive", timeout=300).stdout.strip() == "alive"
+            assert plain.files.read("/home/user/kept") == "across restarts"
+            got = net.commands.run(FETCH.format(ip=outside), timeout=300).stdout
+            assert "hello from outside" in got, f"after {how}: {got}"
+            got = net.commands.run(FETCH.format(ip=BLOCKED_IP), timeout=300).stdout
+            assert "refused" in got, f"after {how}: {got}"
+
+        # A pause saves the adopted VM through its adopted monitor, the holder parks its agent;
+        # the resume brings the same guest back.
+        assert plain.pause()
+        assert gone(vmms[plain.sandbox_id]) and all(gone(h) for h in holders[plain.sandbox_id])
+        again = Sandbox.connect(plain.sandbox_id, **srv.sdk())
+        assert again.commands.run(f"kill -0 {job} && echo alive", timeout=300).stdout.strip() == "alive"
+        assert again.files.read("/home/user/kept") == "across restarts"
+
+        # Killed through the last server, they leave nothing behind: no VMM, holder or record.
+        home = os.environ.get("CORDON_HOME", "/var/lib/cordon")
+        resumed = vmm_pid(plain.sandbox_id)
+        for sid in made:
+            assert Sandbox.kill(sid, **srv.sdk())
+        for pid in [resumed, vmms[net.sandbox_id], *holders[net.sandbox_id]]:
+            assert gone(pid), f"process {pid} outlived its sandbox"
+        for sid in made:
+            assert link_holders(sid) == []
+            assert not os.path.exists(f"{home}/vm/run/{sid}")
+            assert not os.path.exists(f"{home}/live/{sid}.json")
     finally:
-        if sid:
+        for sid in made:
             try:
                 Sandbox.kill(sid, **srv.sdk())
             except Exception:

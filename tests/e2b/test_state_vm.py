@@ -243,13 +243,14 @@ def test_a_vm_paused_with_memory_survives_a_restart_and_a_kill_mid_pause():
         again = Sandbox.connect(sid, **srv.sdk())
         assert alive(again, pid) == "alive", "a vm paused with its memory keeps its processes across a restart"
 
-        # SIGKILL while the pause is under way: the sandbox is then paused and resumable, or
-        # gone with nothing of it left; never listed but broken.
+        # SIGKILL while the pause is under way: the sandbox is then paused and resumable,
+        # running (cut short before its guest parked: the VM, which outlives its server, runs
+        # on, adopted by the next one), or gone with nothing of it left; never listed but broken.
         _kill_mid(srv, lambda: srv.api("POST", f"/sandboxes/{sid}/pause"), 0.05)
         srv.start()
         r = srv.api("GET", f"/sandboxes/{sid}")
         if r.status_code == 200:
-            assert r.json()["state"] == "paused", r.text
+            assert r.json()["state"] in ("paused", "running"), r.text
             assert alive(Sandbox.connect(sid, **srv.sdk()), pid) == "alive"
         else:
             assert r.status_code == 404, r.text

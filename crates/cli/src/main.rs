@@ -4,6 +4,7 @@
 //! - `cordon-agent` (argv[0]): PID 1 inside a sandbox;
 //! - `cordon __jail`: the single-threaded jailer that builds one sandbox;
 //! - `cordon __gvisor-link`: the process that serves a gvisor sandbox's agent link;
+//! - `cordon __vm-link`: the same for a VM, which also holds its monitor and network ends;
 //! - `/init` as PID 1: the guest init of a vm-tier sandbox;
 //! - everything else: the command line.
 
@@ -123,6 +124,7 @@ fn main() -> ExitCode {
     match args.next() {
         Some(a) if a == "__jail" => cordon_jail::jailer::main(),
         Some(a) if a == "__gvisor-link" => cordon_gvisor::link_holder_main(),
+        Some(a) if a == "__vm-link" => cordon_vm::holder::main(),
         _ => {}
     }
 

@@ -314,9 +314,11 @@ impl Sandboxes {
         };
         if rec.frozen_unix_ms.is_none() {
             // Frozen by a pause, a snapshot or a fork the server's end cut short: it runs on,
-            // as when that transition fails.
+            // as when that transition fails (a tier that cannot freeze, vm, lets its VM's CPUs
+            // run again as it adopts it).
+            let thaws = self.backend.capabilities(rec.tier).freeze;
             let (instance_thawed, thawed) = tokio::task::spawn_blocking(move || {
-                let r = instance.freeze(false);
+                let r = if thaws { instance.freeze(false) } else { Ok(()) };
                 (instance, r)
             })
             .await

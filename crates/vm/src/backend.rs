@@ -14,7 +14,7 @@ use crate::{VmError, VmTier};
 /// What vm sandboxes support: egress through the host's forwarder (the guest's frames reach it
 /// on a socket pair, see `cordon_net::ethernet`), no host syscall audit (the guest kernel
 /// answers), and the OOM count is the guest's (a round trip through the agent).
-pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, checkpoint_keeps_running: true, keep_disk: true, volumes: true, set_limits: false, survive_restart: false };
+pub const CAPABILITIES: Capabilities = Capabilities { egress: true, syscall_audit: false, host_oom_count: false, freeze: false, keep_writable: false, checkpoint: true, checkpoint_keeps_running: true, keep_disk: true, volumes: true, set_limits: false, survive_restart: true };
 
 /// The tier table's row for vm.
 pub const TIER: cordon_sandbox::TierEntry = cordon_sandbox::TierEntry { tier: Tier::Vm, capabilities: CAPABILITIES, open, diagnose: crate::diagnose::diagnose };
@@ -131,6 +131,14 @@ impl cordon_sandbox::Sandbox for VmSandbox {
         self.vm.keep_disk(dir).map_err(vm_err("keep the VM's disk"))
     }
 
+    fn leave_running(self: Box<Self>) {
+        let VmSandbox { mut egress, vm, .. } = *self;
+        // The forwarder lets go of its end of the network link; the holder keeps a copy.
+        egress.stop();
+        drop(egress);
+        vm.leave_running();
+    }
+
     fn destroy(&mut self) -> Result<(), Error> {
         // Nothing more is dialled for it, then the VM goes.
         self.egress.stop();
@@ -181,16 +189,43 @@ impl Backend for VmBackend {
             agent: cordon_sandbox::agent::config(spec, &image, self.envd_version.as_deref()),
             volumes: spec.volumes.clone(),
             network,
+            keep: spec.keep,
         };
-        let mut vm = match (&spec.restore, &spec.disk_from) {
+        let vm = match (&spec.restore, &spec.disk_from) {
             (Some(dir), _) => self.tier.restore(&cfg, &prep, dir).map_err(vm_err("restore the saved VM"))?,
             (None, Some(dir)) => self.tier.create_on(&cfg, &prep, dir).map_err(vm_err("start the VM on its kept disk"))?,
             (None, None) => self.tier.create(&cfg, &prep).map_err(vm_err("create the VM"))?,
         };
+        self.serve(vm, spec, image.meta.start.clone(), pin)
+    }
+
+    fn kept(&self, _tier: Tier) -> Vec<String> {
+        self.tier.kept()
+    }
+
+    fn adopt(&self, spec: &SandboxSpec) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
+        let pin = self.store.pin(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
+        let image = self.store.get(&spec.image).map_err(|e| Error::UnknownTemplate(e.to_string()))?;
+        let vm = self.tier.adopt(&spec.id).map_err(vm_err("adopt the VM"))?;
+        self.serve(vm, spec, image.meta.start.clone(), pin)
+    }
+
+    fn exists(&self, _tier: Tier, id: &str) -> bool {
+        self.tier.exists(id)
+    }
+
+    fn reap_kept(&self, _tier: Tier) -> usize {
+        self.tier.reap_kept()
+    }
+}
+
+impl VmBackend {
+    /// The sandbox of a running `vm`, its forwarder serving `spec.network` on its network link.
+    fn serve(&self, mut vm: crate::Vm, spec: &SandboxSpec, start: Option<cordon_image::StartCommand>, pin: cordon_image::Pin) -> Result<Box<dyn cordon_sandbox::Sandbox>, Error> {
         let gateways = vec![cordon_host::tun::GATEWAY_V4.into(), cordon_host::tun::GATEWAY_V6.into()];
         let link = vm.take_net_link().map(Link::Ethernet);
         let egress = Egress::start(link, &spec.network, gateways, cordon_host::tun::MTU, &self.upstream, vm.cgroup(), &spec.limits)?;
-        Ok(Box::new(VmSandbox { vm, egress, start: image.meta.start.clone(), volumes: !spec.volumes.is_empty(), _pin: pin }))
+        Ok(Box::new(VmSandbox { vm, egress, start, volumes: !spec.volumes.is_empty(), _pin: pin }))
     }
 }
 

@@ -36,6 +36,8 @@ pub struct Plan {
     cgroup_procs: Vec<RawFd>,
     /// (descriptor now, number it must have in the VMM).
     fds: Vec<(RawFd, RawFd)>,
+    /// The VMM outlives its maker (see [`Plan::keep`]).
+    keep: bool,
 }
 
 fn c(p: &Path) -> CString {
@@ -55,7 +57,15 @@ impl Plan {
             groups: Vec::new(),
             cgroup_procs: Vec::new(),
             fds: Vec::new(),
+            keep: false,
         }
+    }
+
+    /// A VMM that outlives the process that starts it (a server's restart): no parent-death
+    /// signal, and a session of its own, so that a terminal's Ctrl-C meant for its maker does
+    /// not reach it. Its end is then its cgroup's kill.
+    pub fn keep(&mut self, keep: bool) {
+        self.keep = keep;
     }
 
     fn inside(&self, p: &Path) -> PathBuf {
@@ -196,9 +206,13 @@ impl Plan {
             ok(libc::setresgid(self.uid, self.uid, self.uid))?;
             ok(libc::setresuid(self.uid, self.uid, self.uid))?;
             ok(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
-            // After the uid change, which would clear it: the VMM dies with the thread that
-            // owns the VM, so a crash of cordon never leaves a VM running.
-            ok(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0))?;
+            if self.keep {
+                ok(libc::setsid())?;
+            } else {
+                // After the uid change, which would clear it: the VMM dies with the thread that
+                // owns the VM, so a crash of cordon never leaves a VM running.
+                ok(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0))?;
+            }
         }
         Ok(())
     }

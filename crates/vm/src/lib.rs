@@ -14,9 +14,12 @@
 //!
 //! Each VM is recorded under `<state>/vm/run/<id>` with an flock held by its owner; the VMM
 //! dies with its owner (parent-death signal), and the next [`VmTier::open`] removes what is
-//! left (cgroup, writable layer, socket).
+//! left (cgroup, writable layer, socket). A VM made with [`VmConfig::keep`] outlives its owner
+//! instead: a holder process serves its links ([`holder`]) and the next owner adopts it
+//! ([`VmTier::adopt`]).
 
 pub mod accel;
+mod adopt;
 pub mod backend;
 pub mod diagnose;
 pub mod disk;
@@ -24,6 +27,7 @@ pub mod guest;
 mod initramfs;
 pub mod jailer;
 pub mod guest_kit;
+pub mod holder;
 mod modules;
 pub mod link_handshake;
 mod qmp;
@@ -105,6 +109,10 @@ pub struct VmConfig {
     /// A network interface, for a sandbox with an egress policy: its frames reach the host on
     /// [`Vm::take_net_link`].
     pub network: Option<link_handshake::GuestNetwork>,
+    /// Left running when this process exits, for the next owner to adopt with
+    /// [`VmTier::adopt`] (`SandboxSpec::keep`): no parent-death signal, and a holder process
+    /// serves the links instead of a thread of this one.
+    pub keep: bool,
 }
 
 /// The kit, acceleration and disk one image's VMs boot from.
@@ -230,7 +238,7 @@ impl VmTier {
                 .mode(0o600)
                 .open(tmp.join("state"))
                 .map_err(io_err("create the snapshot's state file"))?;
-            let template = VmConfig { id: template_id.clone(), ..cfg.clone() };
+            let template = VmConfig { id: template_id.clone(), keep: false, ..cfg.clone() };
             let mut vm = self.boot(&template, prep, Start::Template)?;
             let qmp = vm.qmp()?;
             qmp.migrate_to(&state, Duration::from_secs(120)).map_err(io_err("save the template's state"))?;
@@ -316,7 +324,10 @@ impl VmTier {
         let listener = std::os::unix::net::UnixListener::bind(&vm.socket).map_err(io_err("bind agent socket"))?;
         listener.set_nonblocking(true).map_err(io_err("agent socket"))?;
 
+        // A template is saved and killed by its maker: never kept.
+        let keep = cfg.keep && !matches!(start, Start::Template);
         let mut plan = self.jail_plan(&vm, prep, &rw, uid)?;
+        plan.keep(keep);
         let cgroup_files = plan.cgroups(&vm.cgroup.join_files()).map_err(io_err("open cgroup.procs"))?;
         plan.pass_fd(vmm_end.as_raw_fd(), CHANNEL_FD);
         let mut spec = boot_spec(cfg, prep);
@@ -346,18 +357,23 @@ impl VmTier {
         tracing::debug!(id = %cfg.id, args = ?self.vmm.args(&spec), "starting VMM");
 
         // The VMM is started by the VM's own thread, which then serves the agent link: the
-        // parent-death signal ties the VMM's life to that thread, hence to this handle.
+        // parent-death signal ties the VMM's life to that thread, hence to this handle. A kept
+        // VM's thread only reaps the VMM; its holder serves the link.
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
-        let (parked_tx, parked_rx) = std::sync::mpsc::sync_channel(1);
-        let (wake_tx, wake_rx) = std::sync::mpsc::sync_channel(1);
-        let parking = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        vm.link = Some(LinkControl { parking: parking.clone(), parked: parked_rx, wake: wake_tx, guest: guest_config(cfg)? });
         let console = vm.console.clone();
-        let link = VmLink { host_end, listener, parking, parked: parked_tx, wake: wake_rx };
+        let (served, held) = if keep {
+            (None, Some((host_end, listener)))
+        } else {
+            let (parked_tx, parked_rx) = std::sync::mpsc::sync_channel(1);
+            let (wake_tx, wake_rx) = std::sync::mpsc::sync_channel(1);
+            let parking = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            vm.link = Some(LinkControl::Thread(Box::new(ThreadLink { parking: parking.clone(), parked: parked_rx, wake: wake_tx, guest: guest_config(cfg)? })));
+            (Some((VmLink { host_end, listener, parking, parked: parked_tx, wake: wake_rx }, handshake.clone(), ready_tx)), None)
+        };
         let thread = std::thread::Builder::new()
             .name(format!("vm-{}", cfg.id))
-            .spawn(move || vm_thread(cmd, tx, link, handshake, ready_tx, con_r, console))
+            .spawn(move || vm_thread(cmd, tx, served, con_r, console))
             .map_err(io_err("start VM thread"))?;
         vm.thread = Some(thread);
         let started = rx.recv().map_err(|_| VmError::Boot("the VM thread ended early".into()))?;
@@ -367,6 +383,17 @@ impl VmTier {
         drop(cgroup_files);
         vm.pid = pid;
         vm.pidfd = Some(cordon_host::sys::pidfd_open(pid).map_err(io_err("pidfd_open VMM"))?);
+        if let Some((host_end, listener)) = held {
+            let monitor = vm.monitor.as_ref().ok_or_else(|| VmError::Boot("this VM has no monitor".into()))?.try_clone().map_err(io_err("dup the monitor"))?;
+            let net = vm.net.as_ref().map(|n| n.try_clone()).transpose().map_err(io_err("dup the network link"))?;
+            let ends = holder::Ends { agent_link: host_end, agent_listener: listener, monitor, net };
+            let (child, control) = holder::spawn(&self.exe, vm.entry.dir(), &vm.socket, ends, &handshake, &vm.cgroup.join_files())?;
+            cordon_host::orphans::claim(child.id());
+            vm.holder = Some(child);
+            vm.link = Some(LinkControl::Holder(control));
+            // Before the record says `keep`: an adopter finds both or neither.
+            adopt::Facts::of(&vm).write(vm.entry.dir()).map_err(io_err("write the VM's facts"))?;
+        }
         vm.write_record()?;
         // A template is done booting when its guest asks for the config. A resumed guest's
         // agent is the one that parked: answering its wake (it took the config and the time)
@@ -378,13 +405,14 @@ impl VmTier {
             HandshakeKind::Resumed => Some("the resumed guest did not answer its wake"),
             HandshakeKind::Agent => None,
         };
-        match awaited {
-            Some(what) => match ready_rx.recv_timeout(BOOT_DEADLINE) {
+        match (awaited, vm.link.as_mut()) {
+            (Some(what), Some(LinkControl::Holder(c))) => c.ready().map_err(|e| VmError::Boot(format!("{what}: {e}; console: {}", vm.console_tail())))?,
+            (Some(what), _) => match ready_rx.recv_timeout(BOOT_DEADLINE) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => return Err(VmError::Boot(format!("{what}: {e}; console: {}", vm.console_tail()))),
                 Err(_) => return Err(VmError::Boot(format!("{what}; console: {}", vm.console_tail()))),
             },
-            None => vm.wait_ready(BOOT_DEADLINE)?,
+            (None, _) => vm.wait_ready(BOOT_DEADLINE)?,
         }
         tracing::debug!(id = %cfg.id, elapsed = ?t.elapsed(), "VM ready");
         Ok(vm)
@@ -418,6 +446,7 @@ impl VmTier {
             net: None,
             net_mac: cfg.network.as_ref().map(|n| n.mac),
             torn_down: false,
+            holder: None,
         };
         let slot = self.slots.acquire().ok_or_else(|| VmError::BadRequest("no free uid range for the VMM".into()))?;
         let uid = cordon_host::UID_BASE + slot.index * cordon_host::UID_COUNT;
@@ -549,6 +578,7 @@ enum HandshakeKind {
 }
 
 /// What the VM thread says to the guest before the agent link begins.
+#[derive(Clone)]
 enum Handshake {
     Fresh(link_handshake::GuestConfig),
     /// The guest asked for its config before its snapshot was taken.
@@ -606,8 +636,16 @@ struct VmLink {
     wake: std::sync::mpsc::Receiver<link_handshake::GuestConfig>,
 }
 
-/// The handle's side of [`VmLink`].
-struct LinkControl {
+/// What serves a VM's agent link: a thread of this process, or a holder process (a VM that
+/// outlives its maker).
+enum LinkControl {
+    // Boxed: the thread's channels are several times the holder's connection.
+    Thread(Box<ThreadLink>),
+    Holder(holder::Control),
+}
+
+/// The handle's side of [`VmLink`], served by a thread.
+struct ThreadLink {
     parking: Arc<std::sync::atomic::AtomicBool>,
     parked: std::sync::mpsc::Receiver<io::Result<()>>,
     wake: std::sync::mpsc::SyncSender<link_handshake::GuestConfig>,
@@ -615,12 +653,12 @@ struct LinkControl {
     guest: link_handshake::GuestConfig,
 }
 
+/// The VM's own thread: starts the VMM (whose parent-death signal follows this thread), keeps
+/// its console, serves the agent link when `served` gives it, and reaps the VMM.
 fn vm_thread(
     mut cmd: std::process::Command,
     tx: std::sync::mpsc::SyncSender<io::Result<i32>>,
-    link: VmLink,
-    handshake: Handshake,
-    ready: std::sync::mpsc::SyncSender<io::Result<()>>,
+    served: Option<(VmLink, Handshake, std::sync::mpsc::SyncSender<io::Result<()>>)>,
     console_r: OwnedFd,
     console: Arc<Mutex<VecDeque<u8>>>,
 ) {
@@ -652,6 +690,28 @@ fn vm_thread(
             c.drain(..excess);
         }
     });
+    match served {
+        Some((link, handshake, ready)) => serve_agent(link, handshake, ready, &mut || {
+            // The host saves a template now and then kills it; the link stays open till then.
+            let _ = child.wait();
+        }),
+        // A holder serves the link: this thread only waits for the VMM's end.
+        None => {
+            let _ = child.wait();
+        }
+    }
+    // The link ends when the VMM exits (or is killed): reap it here, its parent thread.
+    let _ = child.kill();
+    let _ = child.wait();
+    cordon_host::orphans::release(child.id());
+    let _ = reader.join();
+}
+
+/// Serves a VM's agent link until it ends for good: the handshake of each start (the first,
+/// then one per wake), one multiplexed session after it, and the park that ends a session.
+/// `ready` hears how a resumed or template guest's handshake went; `hold` keeps a template's
+/// link open until its VMM is killed. Run by the VM's thread or by its holder process.
+fn serve_agent(link: VmLink, handshake: Handshake, ready: std::sync::mpsc::SyncSender<io::Result<()>>, hold: &mut dyn FnMut()) {
     let VmLink { mut host_end, listener, parking, parked, wake } = link;
     let mut handshake = handshake;
     loop {
@@ -673,8 +733,7 @@ fn vm_thread(
                 let failed = r.is_err();
                 let _ = ready.send(r);
                 if !failed {
-                    // The host saves the VM now and then kills it; the link stays open till then.
-                    let _ = child.wait();
+                    hold();
                 }
                 Err(io::Error::other("a template serves no agent"))
             }
@@ -701,11 +760,6 @@ fn vm_thread(
             Err(_) => break,
         }
     }
-    // The link ends when the VMM exits (or is killed): reap it here, its parent thread.
-    let _ = child.kill();
-    let _ = child.wait();
-    cordon_host::orphans::release(child.id());
-    let _ = reader.join();
 }
 
 /// Serves one session of the agent link: the sandbox's socket, one stream per connection,
@@ -751,6 +805,8 @@ pub struct Vm {
     /// resume keeps the MAC).
     net_mac: Option<[u8; 6]>,
     torn_down: bool,
+    /// The link holder, when this process started it.
+    holder: Option<std::process::Child>,
 }
 
 /// A running VM saved to a directory by [`Vm::save`]: its machine state (`state`, guest
@@ -978,9 +1034,13 @@ impl Vm {
     }
 
     /// Asks the agent to park its link and waits until it has.
-    fn park(&self) -> Result<(), VmError> {
+    fn park(&mut self) -> Result<(), VmError> {
         use std::io::Write;
-        let link = self.link.as_ref().ok_or_else(|| VmError::Boot("this VM has no agent link to park".into()))?;
+        let link = match self.link.as_mut() {
+            Some(LinkControl::Thread(t)) => t,
+            Some(LinkControl::Holder(c)) => return c.park(),
+            None => return Err(VmError::Boot("this VM has no agent link to park".into())),
+        };
         link.parking.store(true, std::sync::atomic::Ordering::SeqCst);
         let asked = std::os::unix::net::UnixStream::connect(&self.socket).and_then(|mut s| s.write_all(cordon_agent::PARK_REQUEST).map(|()| s));
         let said = match asked {
@@ -999,7 +1059,14 @@ impl Vm {
         if status["running"] != serde_json::json!(true) {
             self.qmp()?.execute("cont", serde_json::json!({})).map_err(io_err("let the VM run again"))?;
         }
-        let link = self.link.as_ref().ok_or_else(|| VmError::Boot("this VM has no agent link".into()))?;
+        let link = match self.link.as_mut() {
+            Some(LinkControl::Thread(t)) => t,
+            Some(LinkControl::Holder(c)) => {
+                c.wake()?;
+                return self.wait_ready(BOOT_DEADLINE);
+            }
+            None => return Err(VmError::Boot("this VM has no agent link".into())),
+        };
         let mut cfg = link.guest.clone();
         getrandom::fill(&mut cfg.seed).map_err(|e| VmError::Io { what: "seed for the guest".into(), source: io::Error::other(e) })?;
         link.parking.store(false, std::sync::atomic::Ordering::SeqCst);
@@ -1076,7 +1143,21 @@ impl Vm {
 
     fn write_record(&self) -> Result<(), VmError> {
         let (pid, slot) = ((self.pid > 0).then_some(self.pid), self.slot.as_ref().map(|s| s.index));
-        self.entry.record(&self.id, &self.cgroup, pid, slot).map_err(io_err("write record"))
+        // Kept only once a holder serves its link: a create that dies half way is reaped as ever.
+        let keep = matches!(self.link, Some(LinkControl::Holder(_)));
+        let rec = ledger::Record { id: self.id.clone(), cgroup: self.cgroup.clone(), pid, slot, keep };
+        self.entry.write(&rec).map_err(io_err("write record"))
+    }
+
+    /// Lets go of a VM whose holder serves its links without ending it: its locks are freed
+    /// for the next owner, which adopts it ([`VmTier::adopt`]). Any other is destroyed, as a
+    /// drop would.
+    pub fn leave_running(mut self) {
+        if matches!(self.link, Some(LinkControl::Holder(_))) && !self.torn_down {
+            self.torn_down = true;
+            // The holder is not waited for: it outlives this process.
+            self.holder.take();
+        }
     }
 
     /// Kills the VMM and removes its cgroups, disk layer, socket and record. Idempotent.
@@ -1087,8 +1168,17 @@ impl Vm {
         self.torn_down = true;
         self.shares.stop();
         self.kill();
-        // A thread waiting to wake a parked guest hears that it never will.
-        self.link.take();
+        // Waited for before anything reaps by pidfd: a pid reaped elsewhere could be reused.
+        if let Some(mut h) = self.holder.take() {
+            let _ = h.kill();
+            let _ = h.wait();
+            cordon_host::orphans::release(h.id());
+        }
+        // A thread waiting to wake a parked guest hears that it never will; an adopted VM's
+        // holder (in the VM's groups, killed with them) is told to stop as well.
+        if let Some(LinkControl::Holder(c)) = self.link.take() {
+            c.stop();
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

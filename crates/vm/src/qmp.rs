@@ -33,6 +33,22 @@ impl Qmp {
         Ok(q)
     }
 
+    /// Takes over a monitor connection another process used (the VM's previous owner): the
+    /// greeting may still be unread and the negotiation done or not, and replies to commands
+    /// the other sent may be pending. A negotiation tagged with an id of its own settles all
+    /// three: everything before its answer is the old connection's, and either answer (done
+    /// now, or done before) leaves command mode.
+    pub fn adopt(sock: UnixStream, timeout: Duration) -> io::Result<Qmp> {
+        const TAG: &str = "cordon-adopt";
+        sock.set_read_timeout(Some(timeout))?;
+        let writer = sock.try_clone()?;
+        let mut q = Qmp { reader: BufReader::new(sock), writer };
+        let msg = json!({ "execute": "qmp_capabilities", "id": TAG });
+        q.writer.write_all(format!("{msg}\n").as_bytes())?;
+        while q.line()?.get("id").and_then(Value::as_str) != Some(TAG) {}
+        Ok(q)
+    }
+
     fn line(&mut self) -> io::Result<Value> {
         let mut l = String::new();
         if self.reader.read_line(&mut l)? == 0 {
@@ -86,5 +102,42 @@ impl Qmp {
                 _ => std::thread::sleep(Duration::from_millis(20)),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// What an adopter finds on a monitor another process used: maybe an unread greeting, a
+    /// reply to a command whose sender died, an event. All of it is skipped, and the next
+    /// command gets its own answer.
+    #[test]
+    fn an_adopted_monitor_skips_what_the_old_connection_left() {
+        let (ours, mut vmm) = UnixStream::pair().unwrap();
+        let stale = concat!(
+            r#"{"QMP": {"version": {}, "capabilities": []}}"#, "\n",
+            r#"{"return": {"status": "postmigrate"}}"#, "\n",
+            r#"{"event": "STOP", "timestamp": {}}"#, "\n",
+            r#"{"error": {"class": "CommandNotFound", "desc": "Capabilities negotiation is already complete"}, "id": "cordon-adopt"}"#, "\n",
+            r#"{"return": {"status": "running", "running": true}}"#, "\n",
+        );
+        vmm.write_all(stale.as_bytes()).unwrap();
+        let mut q = Qmp::adopt(ours, Duration::from_secs(5)).unwrap();
+        let status = q.execute("query-status", json!({})).unwrap();
+        assert_eq!(status["status"], "running");
+        drop(q);
+        let mut sent = String::new();
+        vmm.read_to_string(&mut sent).unwrap();
+        let cmds: Vec<Value> = sent.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(cmds[0], json!({"execute": "qmp_capabilities", "id": "cordon-adopt"}));
+        assert_eq!(cmds[1]["execute"], "query-status");
+    }
+
+    #[test]
+    fn an_adopted_monitor_that_never_answers_is_an_error() {
+        let (ours, _vmm) = UnixStream::pair().unwrap();
+        assert!(Qmp::adopt(ours, Duration::from_millis(200)).is_err());
     }
 }
