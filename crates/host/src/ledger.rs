@@ -220,6 +220,22 @@ impl Entry {
     }
 }
 
+/// Writes a tier's own facts of a kept sandbox (what an adopter needs that the record does not
+/// hold) as `name` in its directory `dir`, atomically. Written before the record says `keep`,
+/// so that an adopter finds both or neither.
+pub fn write_facts<T: Serialize>(dir: &Path, name: &str, facts: &T) -> io::Result<()> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    fs::write(&tmp, serde_json::to_vec(facts).map_err(io::Error::other)?)?;
+    fs::rename(&tmp, dir.join(name))
+}
+
+/// Reads what [`write_facts`] wrote.
+pub fn read_facts<T: serde::de::DeserializeOwned>(dir: &Path, name: &str) -> io::Result<T> {
+    let path = dir.join(name);
+    let bytes = fs::read(&path)?;
+    serde_json::from_slice(&bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{}: {e}", path.display())))
+}
+
 /// The directory in an entry where a writable layer the host can read is mounted (a tmpfs
 /// that the sandbox's overlay writes to); it is unmounted before the entry goes, however the
 /// owner ended.

@@ -11,6 +11,7 @@
 //! - [`sys`]: checked wrappers for pidfds, locks, the loopback interface, passing descriptors.
 
 pub mod cgroup;
+pub mod holder;
 pub mod ledger;
 pub mod orphans;
 pub mod proc_facts;

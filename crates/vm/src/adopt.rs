@@ -13,7 +13,6 @@
 //! says `keep`.
 
 use std::collections::VecDeque;
-use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -49,14 +48,11 @@ impl Facts {
     }
 
     pub(crate) fn write(&self, dir: &Path) -> io::Result<()> {
-        let tmp = dir.join(format!("{FACTS}.tmp"));
-        fs::write(&tmp, serde_json::to_vec(self).map_err(io::Error::other)?)?;
-        fs::rename(&tmp, dir.join(FACTS))
+        cordon_host::ledger::write_facts(dir, FACTS, self)
     }
 
     fn read(dir: &Path) -> io::Result<Facts> {
-        let bytes = fs::read(dir.join(FACTS))?;
-        serde_json::from_slice(&bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{}: {e}", dir.join(FACTS).display())))
+        cordon_host::ledger::read_facts(dir, FACTS)
     }
 }
 

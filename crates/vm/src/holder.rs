@@ -15,31 +15,28 @@
 //! connection to it for the VM's life; when that connection ends (the server exited), the
 //! holder waits for the next server's.
 
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
+use cordon_host::holder::{self, Reply};
 use serde::{Deserialize, Serialize};
 
 use crate::link_handshake::GuestConfig;
 use crate::{io_err, Handshake, VmError, VmLink, BOOT_DEADLINE, PARK_DEADLINE};
 
-/// The holder's control socket, in the VM's directory.
-pub const CONTROL: &str = "link.sock";
-
 /// The descriptors the holder finds its ends at: the agent link, the agent's socket, its
 /// control socket, the monitor and (with `--net`) the network link.
-const AGENT_LINK: RawFd = 3;
-const AGENT_LISTENER: RawFd = 4;
-const CONTROL_LISTENER: RawFd = 5;
-const MONITOR: RawFd = 6;
-const NET: RawFd = 7;
+const AGENT_LINK: RawFd = holder::FIRST_FD;
+const AGENT_LISTENER: RawFd = AGENT_LINK + 1;
+const CONTROL_LISTENER: RawFd = AGENT_LINK + 2;
+const MONITOR: RawFd = AGENT_LINK + 3;
+const NET: RawFd = AGENT_LINK + 4;
 
 /// How long a command may take: a park waits for the guest, `ready` for a resumed one.
 const COMMAND_DEADLINE: Duration = Duration::from_secs(120);
@@ -54,54 +51,32 @@ struct Opening {
 }
 
 /// The server's end of the control connection.
-pub(crate) struct Control {
-    conn: UnixStream,
-    reader: BufReader<UnixStream>,
-}
+pub(crate) struct Control(holder::Control);
 
 impl Control {
     /// Connects to the holder of the VM in `dir`.
     pub fn connect(dir: &Path) -> io::Result<Control> {
-        let conn = UnixStream::connect(dir.join(CONTROL))?;
-        conn.set_read_timeout(Some(COMMAND_DEADLINE))?;
-        let reader = BufReader::new(conn.try_clone()?);
-        Ok(Control { conn, reader })
-    }
-
-    fn ask(&mut self, command: &str) -> Result<(), VmError> {
-        self.ask_for(command).map(drop)
+        holder::Control::connect(dir, COMMAND_DEADLINE).map(Control)
     }
 
     /// Sends `command` and returns what follows `ok` in the answer.
-    fn ask_for(&mut self, command: &str) -> Result<String, VmError> {
-        let said = (|| {
-            self.conn.write_all(format!("{command}\n").as_bytes())?;
-            let mut line = String::new();
-            self.reader.read_line(&mut line)?;
-            Ok::<_, io::Error>(line)
-        })()
-        .map_err(io_err(format!("ask the VM's link holder to {command}")))?;
-        match said.trim_end() {
-            "ok" => Ok(String::new()),
-            ok if ok.starts_with("ok ") => Ok(ok[3..].to_string()),
-            "" => Err(VmError::Boot(format!("the VM's link holder ended before it would {command}"))),
-            other => Err(VmError::Boot(other.strip_prefix("error: ").unwrap_or(other).to_string())),
-        }
+    fn ask(&mut self, command: &str) -> Result<String, VmError> {
+        self.0.ask(command).map_err(io_err(format!("ask the VM's link holder to {command}")))?.map_err(VmError::Boot)
     }
 
     /// Waits for the first handshake (a resumed guest's answer to its wake).
     pub fn ready(&mut self) -> Result<(), VmError> {
-        self.ask("ready")
+        self.ask("ready").map(drop)
     }
 
     /// Asks the agent to park its link and waits until it has.
     pub fn park(&mut self) -> Result<(), VmError> {
-        self.ask("park")
+        self.ask("park").map(drop)
     }
 
     /// Lets a parked guest serve again, with a fresh seed.
     pub fn wake(&mut self) -> Result<(), VmError> {
-        self.ask("wake")
+        self.ask("wake").map(drop)
     }
 
     /// Ends the holder (the VM has ended, or is being destroyed).
@@ -114,15 +89,14 @@ impl Control {
     pub fn take_ends(&mut self, net: bool) -> Result<(UnixStream, Option<OwnedFd>), VmError> {
         // Asked, not read from the connection's credentials: those are the listener's at
         // `listen()`, the server that bound the socket for the holder.
-        let pid: libc::pid_t = self.ask_for("pid")?.parse().map_err(|_| VmError::Boot("the VM's link holder did not say its pid".into()))?;
-        self.take_ends_of(pid, net).map_err(io_err("copy the monitor and network ends from the VM's link holder"))
-    }
-
-    fn take_ends_of(&self, pid: libc::pid_t, net: bool) -> io::Result<(UnixStream, Option<OwnedFd>)> {
-        let pidfd = cordon_host::sys::pidfd_open(pid)?;
-        let monitor = UnixStream::from(getfd(&pidfd, MONITOR)?);
-        let net = if net { Some(getfd(&pidfd, NET)?) } else { None };
-        Ok((monitor, net))
+        let pid: libc::pid_t = self.ask("pid")?.parse().map_err(|_| VmError::Boot("the VM's link holder did not say its pid".into()))?;
+        let copied = (|| {
+            let pidfd = cordon_host::sys::pidfd_open(pid)?;
+            let monitor = UnixStream::from(getfd(&pidfd, MONITOR)?);
+            let net = if net { Some(getfd(&pidfd, NET)?) } else { None };
+            Ok((monitor, net))
+        })();
+        copied.map_err(io_err("copy the monitor and network ends from the VM's link holder"))
     }
 }
 
@@ -157,61 +131,18 @@ pub(crate) fn spawn(exe: &Path, dir: &Path, socket: &Path, ends: Ends, handshake
         Handshake::Template => return Err(VmError::BadRequest("a template's link is served by its maker".into())),
     };
     let opening = serde_json::to_vec(&Opening { handshake: kind.into(), guest: guest.clone() }).map_err(|e| io_err("encode the link holder's opening")(io::Error::other(e)))?;
-    let control_path = dir.join(CONTROL);
-    let _ = std::fs::remove_file(&control_path);
-    let control = UnixListener::bind(&control_path).map_err(io_err("bind the link holder's control socket"))?;
-    let procs: Vec<std::fs::File> = cgroup_procs
-        .iter()
-        .map(|p| std::fs::OpenOptions::new().write(true).open(p))
-        .collect::<io::Result<_>>()
-        .map_err(io_err("open the VM's cgroups for its link holder"))?;
+    let control = holder::bind_control(dir).map_err(io_err("bind the link holder's control socket"))?;
     let mut fds = vec![ends.agent_link.as_raw_fd(), ends.agent_listener.as_raw_fd(), control.as_raw_fd(), ends.monitor.as_raw_fd()];
     if let Some(n) = &ends.net {
         fds.push(n.as_raw_fd());
     }
-    let proc_fds: Vec<RawFd> = procs.iter().map(|f| f.as_raw_fd()).collect();
     let mut cmd = Command::new(exe);
-    cmd.arg("__vm-link").arg(socket).stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::null());
+    cmd.arg("__vm-link").arg(socket);
     if ends.net.is_some() {
         cmd.arg("--net");
     }
-    // SAFETY: between fork and exec only async-signal-safe calls on descriptors opened above:
-    // a new session (no terminal's signals), the cgroups joined, then the ends moved to 3 and
-    // up without close-on-exec. Each is first dup'ed above the targets, so that no move
-    // overwrites one not yet moved.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setsid() < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            for f in &proc_fds {
-                if libc::write(*f, b"0".as_ptr().cast(), 1) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            let mut high = [0; 5];
-            for (i, fd) in fds.iter().enumerate() {
-                high[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 16);
-                if high[i] < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            for (i, fd) in high.iter().take(fds.len()).enumerate() {
-                if libc::dup2(*fd, AGENT_LINK + i as RawFd) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().map_err(io_err(format!("start the VM's link holder ({})", exe.display())))?;
-    let wrote = child.stdin.take().map(|mut s| s.write_all(&opening));
-    if let Some(Err(e)) = wrote {
-        let _ = child.kill();
-        let _ = child.wait();
-        return Err(io_err("hand the guest's configuration to the link holder")(e));
-    }
-    drop((ends, control, procs));
+    let mut child = holder::spawn(cmd, &fds, cgroup_procs, &opening).map_err(io_err(format!("start the VM's link holder ({})", exe.display())))?;
+    drop((ends, control));
     match Control::connect(dir) {
         Ok(c) => Ok((child, c)),
         Err(e) => {
@@ -270,54 +201,37 @@ fn serve(socket: &Path, net: bool) -> io::Result<()> {
     // Whether the first handshake's result was taken already (a fresh start sends none).
     let mut ready_seen = false;
     // One server at a time: the one that made the VM, then whichever adopts it.
-    for conn in control.incoming() {
-        let Ok(conn) = conn else { continue };
-        let Ok(read_half) = conn.try_clone() else { continue };
-        let mut out = conn;
-        for line in BufReader::new(read_half).lines() {
-            let Ok(line) = line else { break };
-            let answer: Result<(), String> = match line.trim() {
-                "ready" if ready_seen => Ok(()),
-                "ready" => {
-                    ready_seen = true;
-                    match ready_rx.recv_timeout(BOOT_DEADLINE) {
-                        Ok(r) => r.map_err(|e| e.to_string()),
-                        Err(_) => Err("the resumed guest did not answer its wake".into()),
-                    }
+    holder::serve_control(&control, |command| {
+        let answer: Result<String, String> = match command {
+            "ready" if ready_seen => Ok(String::new()),
+            "ready" => {
+                ready_seen = true;
+                match ready_rx.recv_timeout(BOOT_DEADLINE) {
+                    Ok(r) => r.map(|()| String::new()).map_err(|e| e.to_string()),
+                    Err(_) => Err("the resumed guest did not answer its wake".into()),
                 }
-                "pid" => {
-                    let _ = out.write_all(format!("ok {}\n", std::process::id()).as_bytes());
-                    continue;
-                }
-                "park" => park(socket, &parking, &parked_rx),
-                "wake" => {
-                    let mut cfg = guest.clone();
-                    match getrandom::fill(&mut cfg.seed) {
-                        Ok(()) => {
-                            parking.store(false, Ordering::SeqCst);
-                            wake_tx.send(cfg).map_err(|_| "the VM's link is gone".to_string())
-                        }
-                        Err(e) => Err(format!("seed for the guest: {e}")),
-                    }
-                }
-                "stop" => {
-                    let _ = out.write_all(b"ok\n");
-                    return Ok(());
-                }
-                other => Err(format!("unknown command {other:?}")),
-            };
-            let reply = match answer {
-                Ok(()) => "ok\n".to_string(),
-                Err(e) => format!("error: {}\n", e.replace('\n', " ")),
-            };
-            if out.write_all(reply.as_bytes()).is_err() {
-                break;
             }
+            "pid" => Ok(std::process::id().to_string()),
+            "park" => park(socket, &parking, &parked_rx).map(|()| String::new()),
+            "wake" => {
+                let mut cfg = guest.clone();
+                match getrandom::fill(&mut cfg.seed) {
+                    Ok(()) => {
+                        parking.store(false, Ordering::SeqCst);
+                        wake_tx.send(cfg).map(|()| String::new()).map_err(|_| "the VM's link is gone".to_string())
+                    }
+                    Err(e) => Err(format!("seed for the guest: {e}")),
+                }
+            }
+            "stop" => return Reply::Stop,
+            other => Err(format!("unknown command {other:?}")),
+        };
+        match answer {
+            Ok(v) => Reply::Ok(v),
+            Err(e) => Reply::Error(e),
         }
-        if served.is_finished() {
-            break;
-        }
-    }
+    });
+    drop(served);
     Ok(())
 }
 
