@@ -109,6 +109,8 @@ impl VmTier {
             net,
             net_mac: facts.net_mac,
             torn_down: false,
+            parked: false,
+            oom_seen: Default::default(),
             holder: None,
         })
     }

@@ -446,6 +446,8 @@ impl VmTier {
             net: None,
             net_mac: cfg.network.as_ref().map(|n| n.mac),
             torn_down: false,
+            parked: false,
+            oom_seen: Default::default(),
             holder: None,
         };
         let slot = self.slots.acquire().ok_or_else(|| VmError::BadRequest("no free uid range for the VMM".into()))?;
@@ -805,6 +807,11 @@ pub struct Vm {
     /// resume keeps the MAC).
     net_mac: Option<[u8; 6]>,
     torn_down: bool,
+    /// Its agent parked for a save, or its CPUs stopped for a disk copy (and not woken since):
+    /// the guest answers nothing.
+    parked: bool,
+    /// The guest's OOM kill count as last read, for while it cannot answer.
+    oom_seen: std::sync::atomic::AtomicU64,
     /// The link holder, when this process started it.
     holder: Option<std::process::Child>,
 }
@@ -941,6 +948,7 @@ impl Vm {
         std::os::unix::fs::DirBuilderExt::mode(&mut fs::DirBuilder::new(), 0o700).create(dir).map_err(io_err(format!("create {}", dir.display())))?;
         let t = Instant::now();
         self.park()?;
+        self.parked = true;
         tracing::debug!(id = %self.id, elapsed = ?t.elapsed(), "guest parked");
         let written = (|| {
             use std::os::unix::fs::OpenOptionsExt;
@@ -978,6 +986,7 @@ impl Vm {
             self.guest_sync()?;
             self.qmp()?.execute("stop", serde_json::json!({})).map_err(io_err("stop the VM"))?;
             stopped = true;
+            self.parked = true;
             disk::copy_sparse(&self.entry.dir().join("rw.ext4"), &dir.join(KEPT_DISK)).map_err(io_err("keep the VM's writable disk"))
         })();
         match &kept {
@@ -986,6 +995,7 @@ impl Vm {
                 let _ = fs::remove_dir_all(dir);
                 if stopped {
                     let _ = self.qmp().and_then(|q| q.execute("cont", serde_json::json!({})).map_err(io_err("let the VM run again")));
+                    self.parked = false;
                 }
             }
         }
@@ -1055,6 +1065,7 @@ impl Vm {
 
     /// Lets a parked guest go on (after a save, or a failed one), with a fresh seed.
     fn wake(&mut self) -> Result<(), VmError> {
+        self.parked = false;
         let status = self.qmp()?.execute("query-status", serde_json::json!({})).map_err(io_err("ask the VMM"))?;
         if status["running"] != serde_json::json!(true) {
             self.qmp()?.execute("cont", serde_json::json!({})).map_err(io_err("let the VM run again"))?;
@@ -1085,16 +1096,26 @@ impl Vm {
 
     /// How many processes the guest kernel's OOM killer has killed, as the guest reports it
     /// (`oom_kill` in its /proc/vmstat, read through the agent). `None` when the guest is gone
-    /// or does not answer.
+    /// or does not answer. A guest parked for a save cannot answer: the count last read stands
+    /// (asking would wait out the timeout, and a pause's teardown asks).
     pub fn oom_kills(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering;
+        if self.parked {
+            return Some(self.oom_seen.load(Ordering::Relaxed));
+        }
         if self.has_exited() {
             return None;
         }
-        self.ask_agent(|client| async move {
-            let b = tokio::time::timeout(Duration::from_secs(5), client.download_file("/proc/vmstat", Some("root"))).await.ok()?.ok()?;
-            Some(parse_vmstat_oom(&String::from_utf8_lossy(&b)))
-        })
-        .flatten()
+        let read = self
+            .ask_agent(|client| async move {
+                let b = tokio::time::timeout(Duration::from_secs(5), client.download_file("/proc/vmstat", Some("root"))).await.ok()?.ok()?;
+                Some(parse_vmstat_oom(&String::from_utf8_lossy(&b)))
+            })
+            .flatten();
+        if let Some(n) = read {
+            self.oom_seen.store(n, Ordering::Relaxed);
+        }
+        read
     }
 
     /// Highest memory use of the VMM process (guest RAM it touched, plus its own), in bytes.
