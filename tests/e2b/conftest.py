@@ -30,6 +30,10 @@ BASE_URL = os.environ["E2B_SANDBOX_URL"]
 API_URL = os.environ["E2B_API_URL"]
 API_KEY = os.environ["E2B_API_KEY"]
 
+# A command that makes bpf(2), which the ns tier's filter denies, and prints the errno it failed
+# with: 1 (EPERM) where the host records the denial, 38 (ENOSYS) once that listener is gone.
+DENIED_SYSCALL = "python3 -c \"import ctypes; l=ctypes.CDLL(None, use_errno=True); l.syscall(321, 0, 0, 0); print(ctypes.get_errno())\""
+
 
 @pytest.fixture
 def sandbox():

@@ -14,12 +14,10 @@ import httpx
 import pytest
 from e2b import Sandbox, Secret
 
-from conftest import API_KEY, API_URL, needs_qemu, needs_runsc
+from conftest import API_KEY, API_URL, DENIED_SYSCALL, needs_qemu, needs_runsc
 from test_server import STATE
 
 H = {"X-API-KEY": API_KEY}
-# bpf(2), which the filter denies: prints the errno it failed with.
-DENIED = "python3 -c \"import ctypes; l=ctypes.CDLL(None, use_errno=True); l.syscall(321, 0, 0, 0); print(ctypes.get_errno())\""
 
 
 def create(**body):
@@ -85,7 +83,7 @@ def test_an_ns_sandbox_s_report_matches_its_configuration_the_host_s_proc_and_it
         # The audit counters move with what the sandbox does: a denied call is counted.
         assert "records it" in v["seccomp"]["notified"], v["seccomp"]
         denied_before = v["audit"]["deniedSyscalls"]
-        assert Sandbox.connect(sid).commands.run(DENIED, timeout=60).stdout.strip() == "1"
+        assert Sandbox.connect(sid).commands.run(DENIED_SYSCALL, timeout=60).stdout.strip() == "1"
         counted = denied_before
         for _ in range(50):
             counted = report(sid)["audit"]["deniedSyscalls"]

@@ -18,13 +18,11 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from conftest import Serve, needs_qemu, needs_runsc, route_dev, sh
+from conftest import DENIED_SYSCALL, Serve, needs_qemu, needs_runsc, route_dev, sh
 
 NS = f"cordon-e2b-restart-{os.getpid()}"
 HOST_IP, NS_IP, PREFIX = "198.51.100.245", "198.51.100.246", 30
 BLOCKED_IP = "203.0.113.78"
-# bpf(2), which the filter denies: prints the errno it failed with.
-DENIED = "python3 -c \"import ctypes; l=ctypes.CDLL(None, use_errno=True); l.syscall(321, 0, 0, 0); print(ctypes.get_errno())\""
 
 FETCH = (
     "python3 -c \"import socket,sys; s=socket.socket(); s.settimeout(10)\n"
@@ -143,7 +141,7 @@ def test_sandboxes_outlive_a_sigterm_and_a_kill_9_of_the_server(tmp_path, outsid
         net_info = srv.api("GET", f"/sandboxes/{net.sandbox_id}").json()
         # A denied syscall is recorded and refused with EPERM while the server that made the
         # sandbox holds its filter's listener.
-        assert plain.commands.run(DENIED, timeout=60).stdout.strip() == "1"
+        assert plain.commands.run(DENIED_SYSCALL, timeout=60).stdout.strip() == "1"
         filter_before = srv.api("GET", f"/sandboxes/{plain.sandbox_id}/isolation").json()["seccomp"]
         assert "EPERM" in filter_before["notified"], filter_before
 
@@ -171,7 +169,7 @@ def test_sandboxes_outlive_a_sigterm_and_a_kill_9_of_the_server(tmp_path, outsid
             filter_now = srv.api("GET", f"/sandboxes/{plain.sandbox_id}/isolation").json()["seccomp"]
             assert filter_now["sha256"] == filter_before["sha256"], (filter_before, filter_now)
             assert "ENOSYS" in filter_now["notified"], filter_now
-            assert plain.commands.run(DENIED, timeout=60).stdout.strip() == "38"
+            assert plain.commands.run(DENIED_SYSCALL, timeout=60).stdout.strip() == "38"
 
             # The egress policy holds: the allowed host answers, the rest is refused and audited.
             assert srv.api("GET", f"/sandboxes/{net.sandbox_id}").json().get("network") == net_info.get("network")

@@ -194,13 +194,7 @@ impl Entry {
         &self.dir
     }
 
-    /// Writes the record of sandbox `id`, atomically: a reaper sees the old one or the new one,
-    /// never half.
-    pub fn record(&self, id: &str, cgroup: &Cgroup, pid: Option<i32>, slot: Option<u32>) -> io::Result<()> {
-        self.write(&Record { id: id.to_string(), cgroup: cgroup.clone(), pid, slot, keep: false })
-    }
-
-    /// Writes `rec`, atomically (see [`Entry::record`]).
+    /// Writes `rec`, atomically: a reaper sees the old record or the new one, never half.
     pub fn write(&self, rec: &Record) -> io::Result<()> {
         let tmp = self.dir.join("record.json.tmp");
         let bytes = serde_json::to_vec(rec).map_err(io::Error::other)?;

@@ -31,8 +31,8 @@ pub(crate) struct Facts {
     kvm: bool,
     guest_kernel: String,
     vmm_binary: PathBuf,
+    /// Its interface's MAC: a VM has a network link exactly when it has one.
     net_mac: Option<[u8; 6]>,
-    networked: bool,
 }
 
 impl Facts {
@@ -43,7 +43,6 @@ impl Facts {
             guest_kernel: vm.guest_kernel.clone(),
             vmm_binary: vm.vmm_binary.clone(),
             net_mac: vm.net_mac,
-            networked: vm.net.is_some(),
         }
     }
 
@@ -80,7 +79,7 @@ impl VmTier {
             return Err(VmError::Boot(format!("VM {id}'s VMM (pid {pid}) is gone")));
         }
         let mut control = holder::Control::connect(entry.dir()).map_err(io_err(format!("connect to the link holder of VM {id}")))?;
-        let (monitor, net) = control.take_ends(facts.networked)?;
+        let (monitor, net) = control.take_ends(facts.net_mac.is_some())?;
         let mut qmp = qmp::Qmp::adopt(monitor, Duration::from_secs(30)).map_err(io_err(format!("talk to the monitor of VM {id}")))?;
         // Stopped by a save or a disk copy the old owner's end cut short: it runs on, as when
         // that step fails (a guest parked for it then fails its adopter's health check).

@@ -9,26 +9,26 @@
 //! the same code the thread runs), in the VM's own cgroups so that its end is the VM's (a kill
 //! of the group, a reap). It also holds a copy of the host's end of the VMM's monitor and of
 //! the network link, which a server that adopts the VM takes with `pidfd_getfd` (a datagram
-//! pair and a monitor connection have no name to open again). It takes four commands on a
-//! control socket in the VM's directory, one line each, answered `ok` or `error: ...`: `ready`
-//! (the first handshake's result), `park` and `wake` (a save's), and `stop`. The server keeps a
+//! pair and a monitor connection have no name to open again). It takes five commands on a
+//! control socket in the VM's directory (`cordon_host::holder`'s protocol): `ready` (the first
+//! handshake's result), `pid` (for an adopter's `pidfd_getfd`), `park` and `wake` (a save's),
+//! and `stop`. The server keeps a
 //! connection to it for the VM's life; when that connection ends (the server exited), the
 //! holder waits for the next server's.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::time::Duration;
 
 use cordon_host::holder::{self, Reply};
 use serde::{Deserialize, Serialize};
 
 use crate::link_handshake::GuestConfig;
-use crate::{io_err, Handshake, VmError, VmLink, BOOT_DEADLINE, PARK_DEADLINE};
+use crate::{io_err, Handshake, LinkControls, VmError, BOOT_DEADLINE};
 
 /// The descriptors the holder finds its ends at: the agent link, the agent's socket, its
 /// control socket, the monitor and (with `--net`) the network link.
@@ -192,12 +192,10 @@ fn serve(socket: &Path, net: bool) -> io::Result<()> {
         "resumed" => Handshake::Resumed(guest.clone()),
         other => return Err(io::Error::other(format!("unknown handshake {other:?}"))),
     };
-    let parking = Arc::new(AtomicBool::new(false));
-    let (parked_tx, parked_rx) = mpsc::sync_channel(1);
-    let (wake_tx, wake_rx) = mpsc::sync_channel(1);
     let (ready_tx, ready_rx) = mpsc::sync_channel(1);
-    let link = VmLink { host_end: agent_link, listener: agent_listener, parking: parking.clone(), parked: parked_tx, wake: wake_rx };
-    let served = std::thread::spawn(move || crate::serve_agent(link, handshake, ready_tx, &mut || {}));
+    let (link, controls) = LinkControls::pair(agent_link, agent_listener, guest);
+    // Detached: it ends with the link, and the holder with the VM's groups.
+    std::thread::spawn(move || crate::serve_agent(link, handshake, ready_tx, &mut || {}));
     // Whether the first handshake's result was taken already (a fresh start sends none).
     let mut ready_seen = false;
     // One server at a time: the one that made the VM, then whichever adopts it.
@@ -212,17 +210,8 @@ fn serve(socket: &Path, net: bool) -> io::Result<()> {
                 }
             }
             "pid" => Ok(std::process::id().to_string()),
-            "park" => park(socket, &parking, &parked_rx).map(|()| String::new()),
-            "wake" => {
-                let mut cfg = guest.clone();
-                match getrandom::fill(&mut cfg.seed) {
-                    Ok(()) => {
-                        parking.store(false, Ordering::SeqCst);
-                        wake_tx.send(cfg).map(|()| String::new()).map_err(|_| "the VM's link is gone".to_string())
-                    }
-                    Err(e) => Err(format!("seed for the guest: {e}")),
-                }
-            }
+            "park" => controls.park(socket).map(|()| String::new()).map_err(|e| format!("the guest did not park its link: {e}")),
+            "wake" => controls.wake().map(|()| String::new()).map_err(|e| e.to_string()),
             "stop" => return Reply::Stop,
             other => Err(format!("unknown command {other:?}")),
         };
@@ -231,20 +220,5 @@ fn serve(socket: &Path, net: bool) -> io::Result<()> {
             Err(e) => Reply::Error(e),
         }
     });
-    drop(served);
     Ok(())
-}
-
-/// Asks the agent to park its link (a request on its own socket) and waits until it has.
-fn park(socket: &Path, parking: &AtomicBool, parked: &mpsc::Receiver<io::Result<()>>) -> Result<(), String> {
-    parking.store(true, Ordering::SeqCst);
-    let asked = UnixStream::connect(socket).and_then(|mut s| s.write_all(cordon_agent::PARK_REQUEST).map(|()| s));
-    let said = match asked {
-        Ok(_conn) => parked.recv_timeout(PARK_DEADLINE + Duration::from_secs(5)).unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
-        Err(e) => Err(e),
-    };
-    said.map_err(|e| {
-        parking.store(false, Ordering::SeqCst);
-        format!("the guest did not park its link: {e}")
-    })
 }

@@ -365,11 +365,9 @@ impl VmTier {
         let (served, held) = if keep {
             (None, Some((host_end, listener)))
         } else {
-            let (parked_tx, parked_rx) = std::sync::mpsc::sync_channel(1);
-            let (wake_tx, wake_rx) = std::sync::mpsc::sync_channel(1);
-            let parking = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            vm.link = Some(LinkControl::Thread(Box::new(ThreadLink { parking: parking.clone(), parked: parked_rx, wake: wake_tx, guest: guest_config(cfg)? })));
-            (Some((VmLink { host_end, listener, parking, parked: parked_tx, wake: wake_rx }, handshake.clone(), ready_tx)), None)
+            let (link, control) = LinkControls::pair(host_end, listener, guest_config(cfg)?);
+            vm.link = Some(LinkControl::Thread(Box::new(control)));
+            (Some((link, handshake.clone(), ready_tx)), None)
         };
         let thread = std::thread::Builder::new()
             .name(format!("vm-{}", cfg.id))
@@ -642,17 +640,53 @@ struct VmLink {
 /// outlives its maker).
 enum LinkControl {
     // Boxed: the thread's channels are several times the holder's connection.
-    Thread(Box<ThreadLink>),
+    Thread(Box<LinkControls>),
     Holder(holder::Control),
 }
 
-/// The handle's side of [`VmLink`], served by a thread.
-struct ThreadLink {
+/// The controlling side of [`VmLink`], held by whoever runs [`serve_agent`]'s caller: this
+/// process's handle, or the holder process.
+struct LinkControls {
     parking: Arc<std::sync::atomic::AtomicBool>,
     parked: std::sync::mpsc::Receiver<io::Result<()>>,
     wake: std::sync::mpsc::SyncSender<link_handshake::GuestConfig>,
     /// This VM's config, sent again (with a fresh seed) when it is woken in place.
     guest: link_handshake::GuestConfig,
+}
+
+impl LinkControls {
+    /// The two sides of a VM's agent link on `host_end`, its socket served from `listener`:
+    /// what [`serve_agent`] serves, and its controls.
+    fn pair(host_end: std::os::unix::net::UnixStream, listener: std::os::unix::net::UnixListener, guest: link_handshake::GuestConfig) -> (VmLink, LinkControls) {
+        let (parked_tx, parked_rx) = std::sync::mpsc::sync_channel(1);
+        let (wake_tx, wake_rx) = std::sync::mpsc::sync_channel(1);
+        let parking = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let link = VmLink { host_end, listener, parking: parking.clone(), parked: parked_tx, wake: wake_rx };
+        (link, LinkControls { parking, parked: parked_rx, wake: wake_tx, guest })
+    }
+
+    /// Asks the agent (on its socket, `socket`) to park its link and waits until it has.
+    fn park(&self, socket: &Path) -> io::Result<()> {
+        use std::io::Write;
+        self.parking.store(true, std::sync::atomic::Ordering::SeqCst);
+        let asked = std::os::unix::net::UnixStream::connect(socket).and_then(|mut s| s.write_all(cordon_agent::PARK_REQUEST).map(|()| s));
+        let said = match asked {
+            Ok(_conn) => self.parked.recv_timeout(PARK_DEADLINE + Duration::from_secs(5)).unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
+            Err(e) => Err(e),
+        };
+        if said.is_err() {
+            self.parking.store(false, std::sync::atomic::Ordering::SeqCst);
+        }
+        said
+    }
+
+    /// Lets the parked guest serve again, with this VM's config and a fresh seed.
+    fn wake(&self) -> io::Result<()> {
+        let mut cfg = self.guest.clone();
+        getrandom::fill(&mut cfg.seed).map_err(|e| io::Error::other(format!("seed for the guest: {e}")))?;
+        self.parking.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.wake.send(cfg).map_err(|_| io::Error::other("the VM's link is gone"))
+    }
 }
 
 /// The VM's own thread: starts the VMM (whose parent-death signal follows this thread), keeps
@@ -1045,22 +1079,11 @@ impl Vm {
 
     /// Asks the agent to park its link and waits until it has.
     fn park(&mut self) -> Result<(), VmError> {
-        use std::io::Write;
-        let link = match self.link.as_mut() {
-            Some(LinkControl::Thread(t)) => t,
-            Some(LinkControl::Holder(c)) => return c.park(),
-            None => return Err(VmError::Boot("this VM has no agent link to park".into())),
-        };
-        link.parking.store(true, std::sync::atomic::Ordering::SeqCst);
-        let asked = std::os::unix::net::UnixStream::connect(&self.socket).and_then(|mut s| s.write_all(cordon_agent::PARK_REQUEST).map(|()| s));
-        let said = match asked {
-            Ok(_conn) => link.parked.recv_timeout(PARK_DEADLINE + Duration::from_secs(5)).unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
-            Err(e) => Err(e),
-        };
-        said.map_err(|e| {
-            link.parking.store(false, std::sync::atomic::Ordering::SeqCst);
-            VmError::Boot(format!("the guest did not park its link: {e}"))
-        })
+        match self.link.as_mut() {
+            Some(LinkControl::Thread(t)) => t.park(&self.socket).map_err(|e| VmError::Boot(format!("the guest did not park its link: {e}"))),
+            Some(LinkControl::Holder(c)) => c.park(),
+            None => Err(VmError::Boot("this VM has no agent link to park".into())),
+        }
     }
 
     /// Lets a parked guest go on (after a save, or a failed one), with a fresh seed.
@@ -1070,18 +1093,11 @@ impl Vm {
         if status["running"] != serde_json::json!(true) {
             self.qmp()?.execute("cont", serde_json::json!({})).map_err(io_err("let the VM run again"))?;
         }
-        let link = match self.link.as_mut() {
-            Some(LinkControl::Thread(t)) => t,
-            Some(LinkControl::Holder(c)) => {
-                c.wake()?;
-                return self.wait_ready(BOOT_DEADLINE);
-            }
+        match self.link.as_mut() {
+            Some(LinkControl::Thread(t)) => t.wake().map_err(|e| VmError::Boot(e.to_string()))?,
+            Some(LinkControl::Holder(c)) => c.wake()?,
             None => return Err(VmError::Boot("this VM has no agent link".into())),
-        };
-        let mut cfg = link.guest.clone();
-        getrandom::fill(&mut cfg.seed).map_err(|e| VmError::Io { what: "seed for the guest".into(), source: io::Error::other(e) })?;
-        link.parking.store(false, std::sync::atomic::Ordering::SeqCst);
-        link.wake.send(cfg).map_err(|_| VmError::Boot("the VM's link is gone".into()))?;
+        }
         self.wait_ready(BOOT_DEADLINE)
     }
 
