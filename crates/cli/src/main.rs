@@ -22,6 +22,7 @@ mod inspect;
 mod kill;
 mod logs;
 mod mcp;
+mod node;
 mod preflight;
 mod probe;
 mod progress;
@@ -90,6 +91,8 @@ enum Command {
     Cp(cp::CpArgs),
     /// Kill sandboxes of a running server.
     Kill(kill::KillArgs),
+    /// The nodes of a cluster: list them, drain one (no new sandboxes; wait for its own to end), undrain it.
+    Node(node::NodeArgs),
     /// What a sandbox's filters refused: denied syscalls, blocked connections.
     Audit(audit::AuditArgs),
     /// What a sandbox's template start command printed; --follow for more as it comes.
@@ -163,6 +166,7 @@ fn main() -> ExitCode {
         Command::Shell(a) => shell::main(a),
         Command::Cp(a) => cp::main(a),
         Command::Kill(a) => kill::main(a),
+        Command::Node(a) => node::main(a),
         Command::Audit(a) => audit::main(a),
         Command::Logs(a) => logs::main(a),
         Command::Probe => {

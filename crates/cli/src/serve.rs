@@ -104,6 +104,21 @@ pub struct ServeArgs {
     /// How long a draining shutdown waits for the live sandboxes to end (e.g. 10m).
     #[arg(long, value_name = "DURATION", default_value = "5m")]
     drain_grace: String,
+    /// Join a cluster of cordon nodes coordinated by etcd (`etcd=http://HOST:2379[,...]`): every
+    /// node then serves the whole API and routes each request to the node that owns its
+    /// sandbox. Needs --node-name and --advertise; every node must have the same API key.
+    #[arg(long, value_name = "etcd=URL[,URL...]", requires_all = ["node_name", "advertise"])]
+    cluster: Option<String>,
+    /// This node's name in the cluster (1 to 20 of a-z, 0-9): part of its sandboxes' ids.
+    #[arg(long, value_name = "NAME", requires = "cluster")]
+    node_name: Option<String>,
+    /// Where the other nodes reach this one, as http://HOST:PORT.
+    #[arg(long, value_name = "URL", requires = "cluster")]
+    advertise: Option<String>,
+    /// How long a node that stopped answering etcd stays a member (its lease's time to live):
+    /// its sandboxes answer as missing after it.
+    #[arg(long, value_name = "DURATION", default_value = "10s", requires = "cluster")]
+    cluster_ttl: String,
     /// Settings file: every flag here under its long name (`listen = "0.0.0.0:3000"`,
     /// `pool = ["base=4"]`); flags given here override it. Default: /etc/cordon/cordon.toml,
     /// when it exists (`--config /dev/null` reads none).
@@ -153,6 +168,18 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         ShutdownArg::Drain => cordon_server::ShutdownMode::Drain { grace: drain_grace },
     };
     let paused_ttl = cordon_spec::parse_duration(&a.paused_ttl).map_err(|e| usage(format!("--paused-ttl: {}", e.reason)))?;
+    let cluster = match &a.cluster {
+        Some(spec) => {
+            let ttl = cordon_spec::parse_duration(&a.cluster_ttl).map_err(|e| usage(format!("--cluster-ttl: {}", e.reason)))?;
+            let (node, advertise) = (a.node_name.as_deref().unwrap_or_default(), a.advertise.as_deref().unwrap_or_default());
+            let config = cordon_cluster::ClusterConfig::parse(spec, node, advertise, ttl).map_err(|e| usage(e.to_string()))?;
+            // Before anything is built, started or reaped: a node that cannot join stops here.
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(cordon_cluster::Cluster::preflight(&config)).map_err(|e| usage(format!("--cluster: {e}")))?;
+            Some(config)
+        }
+        None => None,
+    };
     if let Some(d) = &a.domain {
         if !cordon_server::tls::valid_domain(d) {
             return Err(usage(format!("--domain {d:?} is not a DNS name: give lowercase labels such as sandboxes.example.org")));
@@ -218,9 +245,11 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
     tiers.backend(cordon_spec::Tier::Ns).map_err(|e| usage(e.to_string()))?;
     // The other tiers are opened now too where the host can run them, so that what a crashed
     // server left of them is reaped at start; the ones it cannot run are refused per create.
+    let mut runnable = vec![cordon_spec::Tier::Ns.to_string()];
     for t in [cordon_spec::Tier::Gvisor, cordon_spec::Tier::Vm] {
-        if let Err(e) = tiers.backend(t) {
-            tracing::info!(tier = %t, "tier not available: {e}");
+        match tiers.backend(t) {
+            Ok(_) => runnable.push(t.to_string()),
+            Err(e) => tracing::info!(tier = %t, "tier not available: {e}"),
         }
     }
     for p in &pools {
@@ -257,7 +286,7 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
             )));
         }
     }
-    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds), templates: Some(Arc::new(templates)), volumes: Some(volumes), secrets: Some(secrets) });
+    let app = Arc::new(cordon_server::App { api_key, sandboxes, images: store, network_default, domain, tls, builds: Some(builds), templates: Some(Arc::new(templates)), volumes: Some(volumes), secrets: Some(secrets), cluster: Default::default() });
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -289,11 +318,29 @@ pub fn main(state: &State, a: ServeArgs) -> Result<u8> {
         if !pools.is_empty() {
             cordon_server::pool::Pools::start(&app, pools, pool_memory);
         }
+        // Joined last: a node is placed on as soon as the others read its key.
+        let member = match cluster {
+            Some(config) => {
+                let (node, etcd) = (config.node.clone(), config.etcd.join(","));
+                app.sandboxes.set_node(&node);
+                let weak = Arc::downgrade(&app);
+                let joined = cordon_cluster::Cluster::join(config, move || weak.upgrade().map(|app| cordon_server::cluster::load(&app, &runnable)).unwrap_or_default())
+                    .await
+                    .map_err(|e| usage(format!("--cluster: {e}")))?;
+                let _ = app.cluster.set(joined.clone());
+                eprintln!("cordon serve: node {node} of the cluster in etcd at {etcd} ({} node(s) now)", joined.nodes().len());
+                Some(joined)
+            }
+            None => None,
+        };
         // The listener is bound (connections queue from here) and every --prebuild image is in.
         crate::sd_notify::notify(&format!("READY=1\nSTATUS=listening on {scheme}://{addr}"));
                 let served = cordon_server::serve_until(listener, app, shutdown(shutdown_mode), shutdown_mode).await;
         if let Some(m) = metrics {
             m.abort();
+        }
+        if let Some(c) = member {
+            c.leave().await;
         }
         served?;
         tracing::info!("stopped");

@@ -175,7 +175,11 @@ pub(crate) async fn read_json<T: for<'de> Deserialize<'de>>(req: Request<Incomin
         }
         Err(e) => return Err(ApiError::bad_request(format!("cannot read the request body: {e}"))),
     };
-    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) && empty_ok { b"{}" } else { &body };
+    parse_json(&body, empty_ok)
+}
+
+fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8], empty_ok: bool) -> Result<T, ApiError> {
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) && empty_ok { b"{}" } else { body };
     serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
@@ -287,7 +291,16 @@ fn timeout_from(t: Option<i64>, default: u64) -> Result<Duration, ApiError> {
 }
 
 async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let mut b: CreateBody = read_json(req, false).await?;
+    let b: CreateBody = read_json(req, false).await?;
+    create_sandbox(app, b).await
+}
+
+/// A create whose body was read already (a cluster's front door read it to place it).
+pub(crate) async fn create_from(app: &Arc<App>, body: Bytes) -> Result<Response<Body>, ApiError> {
+    create_sandbox(app, parse_json(&body, false)?).await
+}
+
+async fn create_sandbox(app: &Arc<App>, mut b: CreateBody) -> Result<Response<Body>, ApiError> {
     let template = b.template_id.clone().filter(|t| !t.is_empty()).unwrap_or_else(|| "base".to_string());
     // A snapshot (`<templateID>:default`, `name[:tag]`) starts a sandbox of its files, or one
     // restored from its memory on the tier and with the limits it was saved with.
@@ -357,7 +370,7 @@ async fn create(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>
     if let Some(builds) = (snapshot.is_none() && restore.is_none()).then_some(app.builds.as_ref()).flatten() {
         builds.ready(&app.images, &template).await?;
     }
-    let who = crate::registry::Identity::fresh();
+    let who = app.sandboxes.fresh_identity();
     // A sandbox of a snapshot runs on an image of its own over the snapshot's layers, so that
     // the snapshot can be deleted while the sandbox lives.
     let (image, own_image) = match (&snapshot, &app.sandboxes.saved) {
@@ -502,7 +515,7 @@ fn network_json(network: &cordon_spec::NetworkPolicy, traffic: &crate::traffic::
     })
 }
 
-fn not_found(id: &str) -> ApiError {
+pub(crate) fn not_found(id: &str) -> ApiError {
     ApiError::not_found(format!("sandbox {id} not found"))
 }
 
@@ -754,6 +767,35 @@ impl Listed {
 }
 
 fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
+    let page = list_page(app, q)?;
+    let token = page.items.last().filter(|_| page.more).map(|(k, _)| format!("{}_{}", k.0, k.1));
+    let body: Vec<Value> = page.items.into_iter().map(|(_, v)| v).collect();
+    let mut r = json_response(StatusCode::OK, &Value::Array(body));
+    if let Some(v) = token.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        r.headers_mut().insert("x-next-token", v);
+    }
+    Ok(r)
+}
+
+/// A listed sandbox with its position in the list: start time (ns since the epoch), then id.
+pub(crate) type Positioned = ((u128, String), Value);
+
+/// One page of `GET /sandboxes` on this server.
+pub(crate) struct Page {
+    pub items: Vec<Positioned>,
+    /// More items follow the page.
+    pub more: bool,
+    pub limit: usize,
+    pub ascending: bool,
+}
+
+/// A position as a `nextToken` gives it (`<start ns>_<id>`).
+pub(crate) fn parse_position(t: &str) -> Option<(u128, String)> {
+    t.split_once('_').and_then(|(n, id)| Some((n.parse::<u128>().ok()?, id.to_string())))
+}
+
+/// This server's page of `GET /sandboxes` for query `q`.
+pub(crate) fn list_page(app: &Arc<App>, q: Option<&str>) -> Result<Page, ApiError> {
     let filter = match query::get(q, "metadata") {
         Some(m) => query::metadata_filter(&m).map_err(ApiError::bad_request)?,
         None => Vec::new(),
@@ -771,7 +813,7 @@ fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
     let after = match query::get(q, "nextToken").filter(|t| !t.is_empty()) {
         None => None,
         Some(t) => {
-            let parsed = t.split_once('_').and_then(|(n, id)| Some((n.parse::<u128>().ok()?, id.to_string())));
+            let parsed = parse_position(&t);
             Some(parsed.ok_or_else(|| ApiError::bad_request(format!("nextToken {t:?} is not one this server issued")))?)
         }
     };
@@ -834,15 +876,6 @@ fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
     }
     let more = items.len() > limit;
     items.truncate(limit);
-    let body: Vec<Value> = items.iter().map(|e| e.json.clone()).collect();
-    let mut r = json_response(StatusCode::OK, &Value::Array(body));
-    if more {
-        if let Some(last) = items.last() {
-            let (n, id) = last.sort_key();
-            if let Ok(v) = HeaderValue::from_str(&format!("{n}_{id}")) {
-                r.headers_mut().insert("x-next-token", v);
-            }
-        }
-    }
-    Ok(r)
+    let items = items.into_iter().map(|e| (e.sort_key(), e.json)).collect();
+    Ok(Page { items, more, limit, ascending })
 }

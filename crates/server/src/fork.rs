@@ -18,7 +18,7 @@ use hyper::StatusCode;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::registry::{Identity, NewSandbox, Sandboxes};
+use crate::registry::{NewSandbox, Sandboxes};
 use crate::saved::OWN_PREFIX;
 
 /// Most forks one request may ask for (E2B's server cap).
@@ -50,7 +50,7 @@ pub async fn fork(sandboxes: &Arc<Sandboxes>, id: &str, count: u32, timeout: Dur
     let one = |n: u32| {
         let (meta, mut req) = (meta.clone(), req.clone());
         async move {
-            let who = Identity::fresh();
+            let who = sandboxes.fresh_identity();
             let image = format!("{OWN_PREFIX}{}-{}", who.id, crate::saved::unix_ms(std::time::SystemTime::now()));
             saved.commit(&image, meta).await?;
             req.image = image.clone();
@@ -147,7 +147,7 @@ fn entries(results: Vec<Result<Arc<crate::registry::LiveSandbox>, ApiError>>, do
 /// its own (deleted with it) gives each fork a copy of that image (its layers, no bytes
 /// copied), deleted with the fork, so that no sandbox runs on an image another one deletes.
 async fn restore_one(sandboxes: &Arc<Sandboxes>, saved: &crate::saved::Saved, mut req: NewSandbox, source_owns: bool, source: &str, n: u32) -> Result<Arc<crate::registry::LiveSandbox>, ApiError> {
-    let who = Identity::fresh();
+    let who = sandboxes.fresh_identity();
     if source_owns {
         let own = format!("{OWN_PREFIX}{}-{}", who.id, crate::saved::unix_ms(std::time::SystemTime::now()));
         saved.own_copy(&req.image, &own).await?;

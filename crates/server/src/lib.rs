@@ -15,6 +15,7 @@ pub mod adoption;
 pub mod agent_link;
 pub mod api;
 pub mod auth;
+pub mod cluster;
 pub mod error;
 pub mod first_build;
 pub mod fork;
@@ -103,6 +104,8 @@ pub struct App {
     pub volumes: Option<Arc<volumes::VolumeApi>>,
     /// Secrets (`/secrets`); `None` answers them 501.
     pub secrets: Option<Arc<cordon_secret::SecretStore>>,
+    /// The cluster this server is a node of, once it has joined (see [`cluster`]).
+    pub cluster: std::sync::OnceLock<Arc<cordon_cluster::Cluster>>,
 }
 
 impl App {
@@ -127,7 +130,17 @@ impl App {
     }
 
     async fn route(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
-        match routes::classify(req.uri().path(), req.headers()) {
+        let route = routes::classify(req.uri().path(), req.headers());
+        // On a cluster, a request for another node's sandbox (or a create, or a list) is the
+        // front door's; what it hands back is this node's to serve.
+        let req = match self.cluster.get() {
+            Some(c) => match cluster::route(&self, c, &route, req).await {
+                Ok(answered) => return answered,
+                Err(mine) => mine,
+            },
+            None => req,
+        };
+        match route {
             // A signed `/files` URL made from E2B_SANDBOX_URL names no sandbox: the signature,
             // made with one sandbox's token, is what identifies it.
             routes::Route::Api if req.uri().path() == "/files" => match proxy::signed_by(&self.sandboxes, &req) {

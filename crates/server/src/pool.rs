@@ -248,6 +248,11 @@ impl Pools {
             .collect()
     }
 
+    /// Each pool as `template:tier=size`.
+    pub fn describe(&self) -> Vec<String> {
+        self.pools.iter().map(|p| format!("{}:{}={}", p.config.template, p.config.tier, p.config.size)).collect()
+    }
+
     /// The pools as `GET /pools` shows them.
     pub fn json(&self) -> Value {
         let list: Vec<Value> = self

@@ -308,8 +308,13 @@ pub fn signed_by<B>(sandboxes: &crate::Sandboxes, req: &Request<B>) -> Result<Op
 fn strip(mut req: Request<Incoming>) -> Request<Incoming> {
     let pq = req.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
     *req.uri_mut() = pq.parse::<Uri>().unwrap_or_else(|_| Uri::from_static("/"));
-    let named: Vec<HeaderName> = req
-        .headers()
+    strip_hop_by_hop(req.headers_mut());
+    req
+}
+
+/// Removes the headers that describe one hop: those `Connection` names, and the standard ones.
+pub(crate) fn strip_hop_by_hop(headers: &mut hyper::HeaderMap) {
+    let named: Vec<HeaderName> = headers
         .get_all(CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
@@ -317,16 +322,15 @@ fn strip(mut req: Request<Incoming>) -> Request<Incoming> {
         .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
         .collect();
     for n in named {
-        req.headers_mut().remove(n);
+        headers.remove(n);
     }
     for h in HOP_BY_HOP {
-        req.headers_mut().remove(*h);
+        headers.remove(*h);
     }
-    req
 }
 
 /// Whether the client asks to switch protocols (websockets, mostly).
-fn wants_upgrade<B>(req: &Request<B>) -> bool {
+pub(crate) fn wants_upgrade<B>(req: &Request<B>) -> bool {
     req.headers().contains_key(UPGRADE)
         && req.headers().get_all(CONNECTION).iter().any(|v| {
             v.to_str().is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))

@@ -209,8 +209,9 @@ pub struct Identity {
 }
 
 impl Identity {
-    pub fn fresh() -> Identity {
-        Identity { id: cordon_sandbox::new_id(), token: auth::new_access_token(), traffic_token: auth::new_access_token(), new: true }
+    /// A new sandbox's: a fresh id (naming `node`, on a cluster node) and fresh tokens.
+    fn fresh(node: &str) -> Identity {
+        Identity { id: cordon_cluster::ids::with_node(cordon_sandbox::new_id(), node), token: auth::new_access_token(), traffic_token: auth::new_access_token(), new: true }
     }
 }
 
@@ -235,7 +236,9 @@ pub struct Sandboxes {
     draining: std::sync::atomic::AtomicBool,
     /// Where sandboxes that outlive this server are recorded for the next one, once set (see
     /// [`crate::adoption`]).
-    pub(crate) live_dir: std::sync::OnceLock<PathBuf>,
+    pub(crate) live_dir: std::sync::OnceLock<PathBuf>,    /// This node's name in a cluster, which every new sandbox's id carries (see
+    /// [`cordon_cluster::ids`]); unset on a standalone server.
+    node: std::sync::OnceLock<String>,
 }
 
 /// A slot under the concurrency limit, held while a create runs.
@@ -254,7 +257,7 @@ impl Sandboxes {
 
     /// A registry that can pause sandboxes to disk and snapshot them, through `saved`.
     pub fn with_saved(backend: Arc<dyn Backend>, max: usize, envd_version: String, saved: Option<crate::saved::Saved>) -> Arc<Sandboxes> {
-        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new(), pools: std::sync::OnceLock::new(), stats: ServerMetrics::default(), draining: Default::default(), live_dir: std::sync::OnceLock::new() })
+        Arc::new(Sandboxes { backend, live: RwLock::new(HashMap::new()), saved, pending: AtomicUsize::new(0), max, envd_version, egress_ca: std::sync::OnceLock::new(), pools: std::sync::OnceLock::new(), stats: ServerMetrics::default(), draining: Default::default(), live_dir: std::sync::OnceLock::new(), node: std::sync::OnceLock::new() })
     }
 
     /// Makes every networked sandbox trust the egress CA (its certificate, PEM), so that
@@ -276,6 +279,16 @@ impl Sandboxes {
     /// Refuses a network policy the tier cannot enforce, before anything is built.
     pub fn check_network(&self, tier: cordon_spec::Tier, network: &cordon_spec::NetworkPolicy) -> Result<(), cordon_sandbox::Error> {
         self.backend.capabilities(tier).check_network(tier, network)
+    }
+
+    /// Makes every new sandbox's id name this cluster node.
+    pub fn set_node(&self, name: &str) {
+        let _ = self.node.set(name.to_string());
+    }
+
+    /// A new sandbox's identity: fresh id and tokens.
+    pub fn fresh_identity(&self) -> Identity {
+        Identity::fresh(self.node.get().map_or("", String::as_str))
     }
 
     pub fn envd_version(&self) -> &str {
@@ -373,7 +386,7 @@ impl Sandboxes {
 
     /// Creates a sandbox and returns once its agent answers.
     pub async fn create(self: &Arc<Self>, req: NewSandbox) -> Result<Arc<LiveSandbox>, ApiError> {
-        self.create_as(req, Identity::fresh()).await
+        self.create_as(req, self.fresh_identity()).await
     }
 
     /// The spec of `req`'s sandbox as `id` (its volumes are added once they are held).

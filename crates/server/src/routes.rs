@@ -23,7 +23,7 @@ pub enum Route {
     Invalid(String),
 }
 
-const API_PREFIXES: &[&str] = &["/sandboxes", "/v2/", "/v3/", "/templates", "/snapshots", "/volumes", "/volumecontent", "/secrets", "/teams"];
+const API_PREFIXES: &[&str] = &["/sandboxes", "/v2/", "/v3/", "/templates", "/snapshots", "/volumes", "/volumecontent", "/secrets", "/teams", "/cluster"];
 
 fn is_api_path(path: &str) -> bool {
     API_PREFIXES.iter().any(|p| {

@@ -119,6 +119,11 @@ impl Snapshots {
         self.list.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// What a create may name each snapshot by: its template id and its `name:tag`.
+    pub fn references(&self) -> Vec<String> {
+        self.lock().iter().flat_map(|s| [s.template_id.clone(), s.snapshot_id()]).collect()
+    }
+
     /// The images every snapshot names.
     pub fn images(&self) -> Vec<String> {
         self.lock().iter().map(|s| s.image.clone()).collect()

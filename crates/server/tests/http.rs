@@ -177,7 +177,7 @@ async fn start_with(max: usize, network_default: cordon_server::network::Network
     let backend = Arc::new(InProcess { dir: dir.clone() });
     let sandboxes = Sandboxes::new(backend, max, "0.6.13".into());
     let images = cordon_image::Store::open(&dir).unwrap();
-    let app = Arc::new(App { api_key: KEY.into(), sandboxes, images, network_default, domain: None, tls: None, builds: None, templates: None, volumes: None, secrets: Some(cordon_server::secrets::open(&dir).unwrap()) });
+    let app = Arc::new(App { api_key: KEY.into(), sandboxes, images, network_default, domain: None, tls: None, builds: None, templates: None, volumes: None, secrets: Some(cordon_server::secrets::open(&dir).unwrap()), cluster: Default::default() });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(cordon_server::serve(listener, app, std::future::pending()));

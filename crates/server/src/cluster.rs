@@ -1,0 +1,303 @@
+//! A cluster node's front door: every node answers the whole API, and a request for a sandbox
+//! another node owns goes to that node, unchanged, streamed both ways.
+//!
+//! - A sandbox's requests (control plane `/sandboxes/<id>/...`, and its data plane: envd,
+//!   files, ports, websockets) go to the node its id names ([`cordon_cluster::node_of`]): no
+//!   store is asked per request. A node missing from the members' view, or one that does not
+//!   take the connection, answers as E2B does for a missing sandbox, at once.
+//! - A create goes to the node [`cordon_cluster::placement`] picks; a node that refuses it (full,
+//!   failing, gone, without the template) passes it to the next, so a create succeeds while any
+//!   node has room.
+//! - A list asks every node for its page after the same position and merges them: the position
+//!   (start time, then id) is global, so the next page's token works on any node.
+//!
+//! A request one node sends another carries [`HOP_HEADER`]: the receiver serves it itself,
+//! whatever its view says, so two nodes whose views differ for a moment never bounce a request
+//! between them. The client's API key goes along and is checked by the node that serves it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use cordon_cluster::placement::Want;
+use cordon_cluster::{Cluster, NodeInfo};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, HOST};
+use hyper::{Method, Request, Response, StatusCode, Uri};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+
+use crate::error::{json_response, sandbox_not_found, ApiError};
+use crate::routes::Route;
+use crate::{App, Body};
+
+/// Marks a request one node passed to another.
+pub const HOP_HEADER: &str = "x-cordon-hop";
+
+/// The cluster's own endpoints (nodes, drains, a node's page of a list).
+pub const PREFIX: &str = "/cluster/v1";
+
+/// How long a node has to take a connection before it counts as gone.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a node has to answer its part of a list.
+const FAN_OUT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Largest create body (the API's own limit).
+const MAX_BODY: usize = 1 << 20;
+
+/// What the front door does with a request: answers it, or hands it back for this node to serve.
+pub async fn route(app: &Arc<App>, cluster: &Arc<Cluster>, route: &Route, req: Request<Incoming>) -> Result<Response<Body>, Request<Incoming>> {
+    let path = req.uri().path().trim_end_matches('/').to_string();
+    if path.starts_with(PREFIX) {
+        return Ok(endpoints(app, cluster, &path, req).await.unwrap_or_else(ApiError::into_response));
+    }
+    if req.headers().contains_key(HOP_HEADER) {
+        return Err(req);
+    }
+    let id = match route {
+        Route::Sandbox { id, .. } => id.clone(),
+        Route::Api => {
+            let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+            let segs = segs.strip_prefix(&["v2"]).unwrap_or(&segs);
+            match (req.method(), segs) {
+                (&Method::POST, ["sandboxes"]) => return Ok(create(app, cluster, req).await.unwrap_or_else(ApiError::into_response)),
+                (&Method::GET, ["sandboxes"]) => return Ok(list(app, cluster, req).await.unwrap_or_else(ApiError::into_response)),
+                (_, ["sandboxes", id, ..]) => id.to_string(),
+                _ => return Err(req),
+            }
+        }
+        Route::ByToken(_) | Route::Invalid(_) => return Err(req),
+    };
+    let Some(owner) = cordon_cluster::node_of(&id) else { return Err(req) };
+    if cluster.is_self(owner) {
+        return Err(req);
+    }
+    let data_plane = matches!(route, Route::Sandbox { .. });
+    let gone = |id: &str| if data_plane { sandbox_not_found(id) } else { crate::api::not_found(id).into_response() };
+    let Some(node) = cluster.node(owner) else { return Ok(gone(&id)) };
+    match forward(&node.url, req).await {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            tracing::info!(sandbox_id = %id, node = %node.name, "cluster: the owner did not take the request: {e}");
+            Ok(gone(&id))
+        }
+    }
+}
+
+/// `POST /sandboxes` on a cluster: placed, and passed on until a node takes it.
+async fn create(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    crate::auth::check_api_key(req.headers(), &app.api_key)?;
+    let (parts, body) = req.into_parts();
+    let body = read_body(body).await?;
+    let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    let template = v.get("templateID").and_then(Value::as_str).filter(|t| !t.is_empty()).unwrap_or("base");
+    let memory = v.get("memoryMB").and_then(Value::as_u64).unwrap_or(crate::api::DEFAULT_MEMORY_MB) << 20;
+    let want = Want { template, tier: v.get("tier").and_then(Value::as_str), memory };
+    let nodes = cluster.placement(&want);
+    if nodes.is_empty() {
+        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node of the cluster can take a sandbox now (all full, drained, or without this tier): add a node or retry"));
+    }
+    let mut last: Option<Response<Body>> = None;
+    for node in &nodes {
+        let mut r = Request::from_parts(parts.clone(), Full::new(body.clone()));
+        r.headers_mut().insert(HOP_HEADER, HeaderValue::from_static("1"));
+        let answer = if cluster.is_self(&node.name) {
+            // This node's own share needs no connection.
+            Ok(crate::api::create_from(app, body.clone()).await.unwrap_or_else(ApiError::into_response))
+        } else {
+            forward(&node.url, r).await
+        };
+        match answer {
+            Ok(resp) if !refused(resp.status()) => {
+                if resp.status().is_success() {
+                    cluster.note_placed(&node.name, want.memory);
+                }
+                return Ok(resp);
+            }
+            Ok(resp) => {
+                tracing::info!(node = %node.name, status = %resp.status(), "cluster: a node refused a create: trying the next");
+                last = Some(resp);
+            }
+            Err(e) => tracing::info!(node = %node.name, "cluster: a node did not take a create ({e}): trying the next"),
+        }
+    }
+    Ok(last.unwrap_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node of the cluster took the sandbox: retry").into_response()))
+}
+
+/// Answers another node may not give: the sandbox's own fault (a bad body, a bad key) goes
+/// back to the client as it is; a node's lack of room or its failure is tried elsewhere.
+fn refused(s: StatusCode) -> bool {
+    s == StatusCode::TOO_MANY_REQUESTS || s == StatusCode::NOT_FOUND || s == StatusCode::INSUFFICIENT_STORAGE || s.is_server_error()
+}
+
+/// `GET /sandboxes` on a cluster: every node's page after the same position, merged.
+async fn list(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    crate::auth::check_api_key(req.headers(), &app.api_key)?;
+    let q = req.uri().query().map(str::to_string);
+    let local = crate::api::list_page(app, q.as_deref())?;
+    let (limit, ascending) = (local.limit, local.ascending);
+    let mut items = local.items;
+    let mut more = local.more;
+    let peers: Vec<NodeInfo> = cluster.nodes().into_iter().filter(|n| !cluster.is_self(&n.name)).collect();
+    let asks = peers.iter().map(|n| {
+        let uri = format!("{PREFIX}/sandboxes{}", q.as_deref().map(|q| format!("?{q}")).unwrap_or_default());
+        let mut r = Request::builder().method(Method::GET).uri(uri).body(Full::new(Bytes::new())).expect("a valid request");
+        for h in ["x-api-key", "authorization"] {
+            if let Some(v) = req.headers().get(h) {
+                r.headers_mut().insert(h, v.clone());
+            }
+        }
+        r.headers_mut().insert(HOP_HEADER, HeaderValue::from_static("1"));
+        let url = n.url.clone();
+        async move { tokio::time::timeout(FAN_OUT_TIMEOUT, page_of(&url, r)).await.map_err(|_| "no answer in time".to_string()).and_then(|r| r) }
+    });
+    for (n, got) in peers.iter().zip(futures_util::future::join_all(asks).await) {
+        match got {
+            Ok((page, m)) => {
+                items.extend(page);
+                more |= m;
+            }
+            Err(e) => tracing::warn!(node = %n.name, "cluster: a node's sandboxes are left out of a list: {e}"),
+        }
+    }
+    items.sort_by(|a, b| a.0.cmp(&b.0));
+    if !ascending {
+        items.reverse();
+    }
+    more |= items.len() > limit;
+    items.truncate(limit);
+    let token = items.last().filter(|_| more).map(|(k, _)| format!("{}_{}", k.0, k.1));
+    let mut r = json_response(StatusCode::OK, &Value::Array(items.into_iter().map(|(_, v)| v).collect()));
+    if let Some(v) = token.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        r.headers_mut().insert("x-next-token", v);
+    }
+    Ok(r)
+}
+
+/// One node's page: `(position, item)` pairs and whether it has more.
+async fn page_of(url: &str, req: Request<Full<Bytes>>) -> Result<(Vec<crate::api::Positioned>, bool), String> {
+    let resp = forward(url, req).await.map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    if !status.is_success() {
+        return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
+    }
+    let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for it in v.get("items").and_then(Value::as_array).into_iter().flatten() {
+        let key = it.get("position").and_then(Value::as_str).and_then(crate::api::parse_position).ok_or("an item without its position")?;
+        out.push((key, it.get("sandbox").cloned().unwrap_or(Value::Null)));
+    }
+    Ok((out, v.get("more").and_then(Value::as_bool).unwrap_or(false)))
+}
+
+/// `/cluster/v1/...`: the members, drains, and this node's own page of a list.
+async fn endpoints(app: &Arc<App>, cluster: &Arc<Cluster>, path: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    crate::auth::check_api_key(req.headers(), &app.api_key)?;
+    let rest = &path[PREFIX.len()..];
+    let segs: Vec<&str> = rest.trim_start_matches('/').split('/').collect();
+    match (req.method(), segs.as_slice()) {
+        (&Method::GET, ["nodes"]) => Ok(json_response(StatusCode::OK, &json!(cluster.nodes()))),
+        (m @ (&Method::POST | &Method::DELETE), ["nodes", name, "drain"]) => {
+            if cluster.node(name).is_none() && *m == Method::POST {
+                return Err(ApiError::not_found(format!("node {name} is not a live member of the cluster: see GET {PREFIX}/nodes")));
+            }
+            cluster.set_drain(name, *m == Method::POST).await.map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("cannot record the drain in etcd: {e}")))?;
+            Ok(json_response(StatusCode::OK, &json!(cluster.node(name))))
+        }
+        (&Method::GET, ["sandboxes"]) => {
+            let page = crate::api::list_page(app, req.uri().query())?;
+            let items: Vec<Value> = page.items.into_iter().map(|(k, v)| json!({ "position": format!("{}_{}", k.0, k.1), "sandbox": v })).collect();
+            Ok(json_response(StatusCode::OK, &json!({ "items": items, "more": page.more })))
+        }
+        _ => Err(ApiError::not_found(format!("no such cluster endpoint: {path}"))),
+    }
+}
+
+async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
+    match Limited::new(body, MAX_BODY).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body exceeds {MAX_BODY} bytes"))),
+        Err(e) => Err(ApiError::bad_request(format!("cannot read the request body: {e}"))),
+    }
+}
+
+/// Why a request could not be passed to a node.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("connect to {0}: {1}")]
+    Connect(String, std::io::Error),
+    #[error("{0} took no connection in {1:?}")]
+    Timeout(String, Duration),
+    #[error("{0}")]
+    Http(#[from] hyper::Error),
+}
+
+/// Sends `req` to the node at `url` and streams its answer back; a request that switches
+/// protocols (a websocket) is spliced to the node's upgraded connection after its 101.
+async fn forward<B>(url: &str, mut req: Request<B>) -> Result<Response<Body>, ForwardError>
+where
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let hostport = url.strip_prefix("http://").unwrap_or(url).to_string();
+    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&hostport)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(ForwardError::Connect(hostport, e)),
+        Err(_) => return Err(ForwardError::Timeout(hostport, CONNECT_TIMEOUT)),
+    };
+    let _ = stream.set_nodelay(true);
+    let upgrade = crate::proxy::wants_upgrade(&req).then(|| hyper::upgrade::on(&mut req));
+    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
+    *req.uri_mut() = pq.parse::<Uri>().unwrap_or_else(|_| Uri::from_static("/"));
+    if upgrade.is_none() {
+        crate::proxy::strip_hop_by_hop(req.headers_mut());
+    }
+    req.headers_mut().insert(HOP_HEADER, HeaderValue::from_static("1"));
+    if !req.headers().contains_key(HOST) {
+        if let Ok(v) = HeaderValue::from_str(&hostport) {
+            req.headers_mut().insert(HOST, v);
+        }
+    }
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn.with_upgrades());
+    let mut resp = sender.send_request(req).await?;
+    if let Some(client) = upgrade {
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            let inner = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                let (Ok(client), Ok(inner)) = (client.await, inner.await) else { return };
+                let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(inner)).await;
+            });
+        }
+    }
+    let (parts, body) = resp.into_parts();
+    Ok(Response::from_parts(parts, body.boxed()))
+}
+
+/// What this node publishes at each heartbeat.
+pub fn load(app: &App, tiers: &[String]) -> cordon_cluster::membership::Load {
+    let mut templates: Vec<String> = Vec::new();
+    if let Ok(Value::Array(list)) = crate::template_list::list(app) {
+        for t in &list {
+            for field in ["templateID", "buildID"] {
+                if let Some(s) = t.get(field).and_then(Value::as_str) {
+                    templates.push(s.to_string());
+                }
+            }
+            for field in ["aliases", "names"] {
+                templates.extend(t.get(field).and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).map(str::to_string));
+            }
+        }
+    }
+    if let Some(saved) = &app.sandboxes.saved {
+        templates.extend(saved.snapshots.references());
+    }
+    templates.sort();
+    templates.dedup();
+    let pools = app.sandboxes.pools.get().map(|p| p.describe()).unwrap_or_default();
+    cordon_cluster::membership::Load { sandboxes: app.sandboxes.len(), max_sandboxes: app.sandboxes.max(), tiers: tiers.to_vec(), templates, pools }
+}
