@@ -27,7 +27,7 @@ if [ ! -x "$venv/bin/python" ]; then
     fi
     python3 -m venv "$venv"
 fi
-if [ "${E2B_UPGRADE:-0}" = 1 ] || ! "$venv/bin/python" -c 'import e2b, e2b_code_interpreter, PIL, pytest, pytest_asyncio, httpx, hypercorn, prometheus_client, websocket' 2>/dev/null; then
+if [ "${E2B_UPGRADE:-0}" = 1 ] || ! "$venv/bin/python" -c 'import e2b, e2b_code_interpreter, PIL, pytest, pytest_asyncio, httpx, hypercorn, prometheus_client, websocket, kubernetes_validate, yaml' 2>/dev/null; then
     "$venv/bin/pip" install -q --upgrade pip
     "$venv/bin/pip" install -q --upgrade -r "$here/requirements.txt"
 fi
