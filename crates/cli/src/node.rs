@@ -73,11 +73,14 @@ pub fn main(a: NodeArgs) -> Result<u8> {
         }
         NodeCommand::Drain { name, no_wait, timeout, .. } => {
             let timeout = cordon_spec::parse_duration(&timeout).map_err(|e| crate::usage(format!("--timeout: {}", e.reason)))?;
-            rt.block_on(api.json(Method::POST, &format!("/cluster/v1/nodes/{}/drain", check_name(&name)?), None))?;
+            let (marked, _) = rt.block_on(api.json(Method::POST, &format!("/cluster/v1/nodes/{}/drain", check_name(&name)?), None))?;
             eprintln!("{name}: no new sandboxes are placed there");
             if no_wait {
                 return Ok(0);
             }
+            // Only a count the node published after the drain was recorded says it is empty:
+            // an older one may predate creates placed there just before.
+            let drained_at = seq(&marked);
             let start = Instant::now();
             loop {
                 let nodes = rt.block_on(api.get("/cluster/v1/nodes"))?;
@@ -87,7 +90,7 @@ pub fn main(a: NodeArgs) -> Result<u8> {
                     return Ok(0);
                 };
                 let left = node.get("sandboxes").and_then(Value::as_u64).unwrap_or(0);
-                if left == 0 {
+                if left == 0 && seq(node) > drained_at {
                     println!("{name}: drained");
                     return Ok(0);
                 }
@@ -106,6 +109,11 @@ fn check_name(name: &str) -> Result<&str> {
     } else {
         Err(crate::usage(format!("{name:?} is not a node name: node names are 1 to 20 of a-z and 0-9")))
     }
+}
+
+/// A node's publication count, as `/cluster/v1/nodes` gives it.
+fn seq(node: &Value) -> u64 {
+    node.get("seq").and_then(Value::as_u64).unwrap_or(0)
 }
 
 fn a_duration(d: Duration) -> String {

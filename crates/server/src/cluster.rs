@@ -127,10 +127,13 @@ async fn create(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) 
     Ok(last.unwrap_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node of the cluster took the sandbox: retry").into_response()))
 }
 
-/// Answers another node may not give: the sandbox's own fault (a bad body, a bad key) goes
-/// back to the client as it is; a node's lack of room or its failure is tried elsewhere.
+/// Answers another node may not give. A node's lack of room or its failure is tried elsewhere,
+/// and so is a 400 or 404: a node answers those for a template it does not hold (a snapshot's
+/// `id:tag` is not even an image name there), and the holder may be missing from this node's
+/// view for the second it takes to read a new publication. A request that is bad everywhere
+/// costs one quick answer per node. The key was checked already.
 fn refused(s: StatusCode) -> bool {
-    s == StatusCode::TOO_MANY_REQUESTS || s == StatusCode::NOT_FOUND || s == StatusCode::INSUFFICIENT_STORAGE || s.is_server_error()
+    !s.is_success() && !s.is_informational() && s != StatusCode::UNAUTHORIZED
 }
 
 /// `GET /sandboxes` on a cluster: every node's page after the same position, merged.
@@ -299,5 +302,5 @@ pub fn load(app: &App, tiers: &[String]) -> cordon_cluster::membership::Load {
     templates.sort();
     templates.dedup();
     let pools = app.sandboxes.pools.get().map(|p| p.describe()).unwrap_or_default();
-    cordon_cluster::membership::Load { sandboxes: app.sandboxes.len(), max_sandboxes: app.sandboxes.max(), tiers: tiers.to_vec(), templates, pools }
+    cordon_cluster::membership::Load { sandboxes: app.sandboxes.len_with_creates(), max_sandboxes: app.sandboxes.max(), tiers: tiers.to_vec(), templates, pools }
 }

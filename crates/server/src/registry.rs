@@ -349,6 +349,11 @@ impl Sandboxes {
         self.read().len()
     }
 
+    /// Live sandboxes and the creates under way: what a node tells the cluster it holds.
+    pub fn len_with_creates(&self) -> usize {
+        self.len() + self.pending.load(Ordering::SeqCst)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
