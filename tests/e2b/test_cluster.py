@@ -113,7 +113,8 @@ def nodes(etcd):
                     pass
             if n.serve and n.serve.proc.poll() is None:
                 n.serve.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        if not os.environ.get("KEEP_CLUSTER"):
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def members(node):
@@ -275,13 +276,34 @@ def test_a_snapshot_taken_on_one_node_starts_sandboxes_through_any_node(nodes):
         snap = src.create_snapshot()
         # Once the owner has published that it holds the snapshot, a create of it through
         # another front door is placed there.
-        until(lambda: snap.snapshot_id in members(c)[owner]["templates"], "the owner publishes the snapshot", 10)
+        for front in (c, a):
+            until(lambda: snap.snapshot_id in members(front)[owner]["templates"], "the owner publishes the snapshot", 10)
         for front in (c, a):
             s = Sandbox.create(snap.snapshot_id, timeout=60, **front.sdk())
             made.append(s)
             assert s.sandbox_id[21:] == owner
             assert s.files.read("/home/user/kept.txt") == "from the snapshot"
-        assert Sandbox.delete_snapshot(snap.snapshot_id, api_key=API_KEY, api_url=nodes[owner].url) is True
+        # With its node drained, a create of it lands elsewhere: that node copies the snapshot
+        # (its record, and the layers it lacks) from its node first.
+        drain = httpx.post(f"{a.url}/cluster/v1/nodes/{owner}/drain", headers=H, timeout=30)
+        assert drain.status_code == 200, drain.text
+        until(lambda: members(c)[owner]["draining"], "the owner is drained in C's view", 10)
+        try:
+            s = Sandbox.create(snap.snapshot_id, timeout=60, **c.sdk())
+            made.append(s)
+            elsewhere = s.sandbox_id[21:]
+            assert elsewhere != owner
+            assert s.files.read("/home/user/kept.txt") == "from the snapshot"
+            s.files.write("/home/user/kept.txt", "changed in a copy")
+            assert src.files.read("/home/user/kept.txt") == "from the snapshot"
+            until(lambda: snap.snapshot_id in members(a)[elsewhere]["templates"], "the copy is published", 10)
+        finally:
+            httpx.delete(f"{a.url}/cluster/v1/nodes/{owner}/drain", headers=H, timeout=30)
+        # Deleted through any node, it goes from every node that has it.
+        assert Sandbox.delete_snapshot(snap.snapshot_id, api_key=API_KEY, api_url=a.url) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id, api_key=API_KEY, api_url=c.url) is False
+        for n in (owner, elsewhere):
+            until(lambda: snap.snapshot_id not in members(a)[n]["templates"], f"{n} no longer holds the snapshot", 10)
     finally:
         for s in made:
             s.kill()

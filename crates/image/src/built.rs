@@ -48,6 +48,30 @@ impl Store {
         Ok(vec![self.tree_layer(img, progress)?])
     }
 
+    /// Writes layer `diff_id` as a layer tar (overlay whiteouts as OCI `.wh.` entries, owners
+    /// as stored) to `out`: what another node of a cluster unpacks into its own store with
+    /// [`Store::receive_layer`].
+    pub fn send_layer(&self, diff_id: &str, out: impl io::Write) -> Result<(), ImageError> {
+        let err = |reason: String| ImageError::Layer { what: format!("layer {diff_id}"), reason };
+        let d = Digest::parse(diff_id).map_err(err)?;
+        if !self.layers.has(&d) {
+            return Err(err("it is not in the store".into()));
+        }
+        // Its owners are a sandbox's already (0-65535), so the upper tree's shift is by 0.
+        tree_tar::write(&self.layers.diff_path(&d), TreeKind::Upper { uid_base: 0 }, out).map(drop).map_err(|e| err(format!("cannot write it: {e}")))
+    }
+
+    /// Unpacks a layer tar another node sent, with the same confined unpack as a pulled layer's,
+    /// and returns its diff_id here: the digest of what arrived. Hold the layers
+    /// ([`Store::hold_layers`]) until an image names it.
+    pub fn receive_layer(&self, input: impl Read) -> Result<String, ImageError> {
+        let err = |reason: String| ImageError::Layer { what: "a layer from another node".into(), reason };
+        let pending = self.layers.unpack_new(input, &mut crate::NoProgress).map_err(err)?;
+        let id = pending.info.diff_id.clone();
+        self.layers.install(vec![pending]).map_err(err)?;
+        Ok(id)
+    }
+
     /// The layers one-tree images were adopted as (`layers/trees/*.json`).
     pub(crate) fn adopted_layers(&self) -> Vec<Digest> {
         let Ok(rd) = fs::read_dir(self.layers.root().join("trees")) else { return Vec::new() };

@@ -869,3 +869,36 @@ fn build_base_with_mmdebstrap() {
     assert_eq!(again.meta, img.meta);
     assert!(staging_leftovers(&store.root).is_empty());
 }
+
+#[test]
+fn a_layer_sent_to_another_store_arrives_whole_whiteouts_and_all() {
+    use std::os::unix::fs::FileTypeExt;
+    let (one, two) = (TempDir::new("send"), TempDir::new("receive"));
+    let (from, to) = (Store::open(one.path()).unwrap(), Store::open(two.path()).unwrap());
+    let mut b = tar::Builder::new(Vec::new());
+    add_dir(&mut b, "etc/", 0o755);
+    add_file(&mut b, "etc/.wh.motd", 0o644, b"");
+    add_dir(&mut b, "opt/", 0o755);
+    add_file(&mut b, "opt/.wh..wh..opq", 0o644, b"");
+    add_file(&mut b, "opt/new", 0o640, b"new data");
+    let id = from.receive_layer(io::Cursor::new(b.into_inner().unwrap())).unwrap();
+
+    let mut sent = Vec::new();
+    from.send_layer(&id, &mut sent).unwrap();
+    let got = to.receive_layer(io::Cursor::new(sent.clone())).unwrap();
+    let tree = to.layer_path(&got).unwrap();
+    let motd = fs::symlink_metadata(tree.join("etc/motd")).unwrap();
+    assert!(motd.file_type().is_char_device() && motd.rdev() == 0, "the whiteout is a whiteout there too");
+    assert_eq!(fs::read(tree.join("opt/new")).unwrap(), b"new data");
+    assert_eq!(fs::metadata(tree.join("opt/new")).unwrap().permissions().mode() & 0o777, 0o640);
+    let mut opaque = [0u8; 4];
+    let n = rustix::fs::getxattr(tree.join("opt"), "user.overlay.opaque", &mut opaque).unwrap();
+    assert_eq!(&opaque[..n], b"y");
+
+    // Sent again from where it arrived, the same tree is the same bytes: a third store would
+    // find it under the same digest.
+    let mut again = Vec::new();
+    to.send_layer(&got, &mut again).unwrap();
+    assert_eq!(again, sent);
+    assert!(matches!(from.send_layer("sha256:0000000000000000000000000000000000000000000000000000000000000000", &mut Vec::new()), Err(ImageError::Layer { .. })));
+}

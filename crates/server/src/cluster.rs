@@ -65,6 +65,8 @@ pub async fn route(app: &Arc<App>, cluster: &Arc<Cluster>, route: &Route, req: R
             match (req.method(), segs) {
                 (&Method::POST, ["sandboxes"]) => return Ok(create(app, cluster, req).await.unwrap_or_else(ApiError::into_response)),
                 (&Method::GET, ["sandboxes"]) => return Ok(list(app, cluster, req).await.unwrap_or_else(ApiError::into_response)),
+                // A snapshot may have been copied to other nodes: it goes from all of them.
+                (&Method::DELETE, ["templates", _]) => return Ok(everywhere(app, cluster, req).await.unwrap_or_else(ApiError::into_response)),
                 (_, ["sandboxes", id, ..]) => id.to_string(),
                 _ => return Err(req),
             }
@@ -180,6 +182,33 @@ async fn list(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) ->
     Ok(r)
 }
 
+/// A request every node serves (this one through its own door too): the first success is the
+/// answer, else this node's own.
+async fn everywhere(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    crate::auth::check_api_key(req.headers(), &app.api_key)?;
+    let (parts, body) = req.into_parts();
+    let body = read_body(body).await?;
+    let nodes = cluster.nodes();
+    let sends = nodes.iter().map(|n| {
+        let mut r = Request::from_parts(parts.clone(), Full::new(body.clone()));
+        r.headers_mut().insert(HOP_HEADER, HeaderValue::from_static("1"));
+        let url = n.url.clone();
+        async move { tokio::time::timeout(FAN_OUT_TIMEOUT, forward(&url, r)).await }
+    });
+    let mut mine = None;
+    let mut ok = None;
+    for (n, got) in nodes.iter().zip(futures_util::future::join_all(sends).await) {
+        match got {
+            Ok(Ok(r)) if r.status().is_success() && ok.is_none() => ok = Some(r),
+            Ok(Ok(r)) if cluster.is_self(&n.name) => mine = Some(r),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(node = %n.name, "cluster: a node did not take a request meant for all: {e}"),
+            Err(_) => tracing::warn!(node = %n.name, "cluster: a node did not answer a request meant for all in time"),
+        }
+    }
+    ok.or(mine).ok_or_else(|| ApiError::new(StatusCode::BAD_GATEWAY, "no node of the cluster answered: retry"))
+}
+
 /// One node's page: `(position, item)` pairs and whether it has more.
 async fn page_of(url: &str, req: Request<Full<Bytes>>) -> Result<(Vec<crate::api::Positioned>, bool), String> {
     let resp = forward(url, req).await.map_err(|e| e.to_string())?;
@@ -211,6 +240,8 @@ async fn endpoints(app: &Arc<App>, cluster: &Arc<Cluster>, path: &str, req: Requ
             cluster.set_drain(name, *m == Method::POST).await.map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("cannot record the drain in etcd: {e}")))?;
             Ok(json_response(StatusCode::OK, &json!(cluster.node(name))))
         }
+        (&Method::GET, ["snapshots", reference]) => snapshot_for_copy(app, &crate::query::percent_decode(reference, false)).await,
+        (&Method::GET, ["layers", diff_id]) => send_layer(app, diff_id),
         (&Method::GET, ["sandboxes"]) => {
             let page = crate::api::list_page(app, req.uri().query())?;
             let items: Vec<Value> = page.items.into_iter().map(|(k, v)| json!({ "position": format!("{}_{}", k.0, k.1), "sandbox": v })).collect();
@@ -218,6 +249,177 @@ async fn endpoints(app: &Arc<App>, cluster: &Arc<Cluster>, path: &str, req: Requ
         }
         _ => Err(ApiError::not_found(format!("no such cluster endpoint: {path}"))),
     }
+}
+
+/// `GET /cluster/v1/snapshots/<reference>`: a snapshot's record and its image's metadata, for
+/// a node that copies it. Its layers are the image's own, as diff_ids of this node's store.
+async fn snapshot_for_copy(app: &Arc<App>, reference: &str) -> Result<Response<Body>, ApiError> {
+    let saved = app.sandboxes.saved.as_ref().ok_or_else(|| ApiError::not_found("this node keeps no snapshots"))?;
+    let snap = saved.snapshots.find(reference).ok_or_else(|| ApiError::not_found(format!("no snapshot {reference} on this node")))?;
+    if snap.memory.is_some() {
+        return Err(ApiError::new(StatusCode::CONFLICT, format!("snapshot {reference} keeps a sandbox's memory: it starts sandboxes on its own node only")));
+    }
+    let image = app.images.get(&snap.image).map_err(|e| ApiError::not_found(e.to_string()))?;
+    Ok(json_response(StatusCode::OK, &json!({ "snapshot": snap, "meta": image.meta })))
+}
+
+/// `GET /cluster/v1/layers/<diff_id>`: a layer of this node's store as a tar, streamed as it is
+/// written.
+fn send_layer(app: &Arc<App>, diff_id: &str) -> Result<Response<Body>, ApiError> {
+    if app.images.layer_path(diff_id).is_none() {
+        return Err(ApiError::not_found(format!("no layer {diff_id} on this node")));
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
+    let (store, id) = (app.images.clone(), diff_id.to_string());
+    // A failed write ends the stream early: the receiver's unpack then fails on a short tar.
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = store.send_layer(&id, ChannelWriter { tx }) {
+            tracing::warn!(layer = %id, "cluster: sending a layer to another node stopped: {e}");
+        }
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, hyper::Error>(hyper::body::Frame::data(b)), rx)) });
+    let mut r = Response::new(BodyExt::boxed(http_body_util::StreamBody::new(stream)));
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, HeaderValue::from_static("application/x-tar"));
+    Ok(r)
+}
+
+/// The tar writer's end of a streamed layer.
+struct ChannelWriter {
+    tx: tokio::sync::mpsc::Sender<Bytes>,
+}
+
+impl std::io::Write for ChannelWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.tx.blocking_send(Bytes::copy_from_slice(buf)).map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the receiving node hung up"))?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The unpacking end of a layer arriving from another node.
+struct ChannelReader {
+    rx: tokio::sync::mpsc::Receiver<Bytes>,
+    chunk: Bytes,
+}
+
+impl std::io::Read for ChannelReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.chunk.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(b) => self.chunk = b,
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.chunk.len());
+        buf[..n].copy_from_slice(&self.chunk[..n]);
+        bytes::Buf::advance(&mut self.chunk, n);
+        Ok(n)
+    }
+}
+
+/// One node copies snapshots at a time: two creates of a new snapshot fetch it once.
+static FETCHING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Copies snapshot `reference` from a node that holds it, on its first use here: its record,
+/// and its image's layers this node lacks, by content digest (a layer this store has under the
+/// same diff_id is not sent again). True when the snapshot is here now; false when no other
+/// node holds it. Nothing is named before every layer has arrived whole.
+pub(crate) async fn fetch_snapshot(app: &Arc<App>, reference: &str) -> Result<bool, ApiError> {
+    let (Some(cluster), Some(saved)) = (app.cluster.get(), app.sandboxes.saved.as_ref()) else { return Ok(false) };
+    let holders: Vec<NodeInfo> = cluster.nodes().into_iter().filter(|n| !cluster.is_self(&n.name) && n.templates.iter().any(|t| t == reference)).collect();
+    if holders.is_empty() {
+        return Ok(false);
+    }
+    let _one = FETCHING.lock().await;
+    if saved.snapshots.find(reference).is_some() {
+        return Ok(true);
+    }
+    let mut last = String::new();
+    for node in &holders {
+        match copy_from(app, saved, &node.url, reference).await {
+            Ok(()) => {
+                tracing::info!(snapshot = %reference, node = %node.name, "cluster: snapshot copied from its node");
+                return Ok(true);
+            }
+            Err(e) => {
+                tracing::warn!(snapshot = %reference, node = %node.name, "cluster: cannot copy the snapshot: {e}");
+                last = format!("{}: {e}", node.name);
+            }
+        }
+    }
+    Err(ApiError::new(StatusCode::BAD_GATEWAY, format!("snapshot {reference} is on other nodes, and none gave a copy ({last}): retry, or create it through its node")))
+}
+
+async fn copy_from(app: &Arc<App>, saved: &crate::saved::Saved, url: &str, reference: &str) -> Result<(), String> {
+    let get = |path: String| {
+        let mut r = Request::builder().method(Method::GET).uri(path).body(Full::new(Bytes::new())).expect("a valid request");
+        r.headers_mut().insert("x-api-key", HeaderValue::from_str(&app.api_key).unwrap_or(HeaderValue::from_static("")));
+        r
+    };
+    let encoded: String = reference.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-_.".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect();
+    let resp = forward(url, get(format!("{PREFIX}/snapshots/{encoded}"))).await.map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    if !status.is_success() {
+        return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
+    }
+    #[derive(serde::Deserialize)]
+    struct Copy {
+        snapshot: crate::snapshots::Snapshot,
+        meta: cordon_image::ImageMeta,
+    }
+    let Copy { snapshot, mut meta } = serde_json::from_slice(&body).map_err(|e| format!("an answer this version does not read: {e}"))?;
+    let store = app.images.clone();
+    let hold = {
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || store.hold_layers()).await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?
+    };
+    let mut layers = Vec::with_capacity(meta.layers.len());
+    for id in &meta.layers {
+        if store.layer_path(id).is_some() {
+            layers.push(id.clone());
+            continue;
+        }
+        let resp = forward(url, get(format!("{PREFIX}/layers/{id}"))).await.map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("layer {id}: {}", resp.status()));
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
+        let unpack = {
+            let store = store.clone();
+            tokio::task::spawn_blocking(move || store.receive_layer(ChannelReader { rx, chunk: Bytes::new() }))
+        };
+        let mut body = resp.into_body();
+        let mut cut = None;
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => {
+                    if let Ok(data) = f.into_data() {
+                        if tx.send(data).await.is_err() {
+                            break; // the unpack stopped: its error says why
+                        }
+                    }
+                }
+                Err(e) => {
+                    cut = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        drop(tx);
+        let got = unpack.await.map_err(|e| e.to_string())?;
+        if let Some(e) = cut {
+            return Err(format!("layer {id} was cut off: {e}"));
+        }
+        layers.push(got.map_err(|e| e.to_string())?);
+    }
+    meta.layers = layers;
+    saved.commit(&snapshot.image, meta).await.map_err(|e| e.message)?;
+    drop(hold);
+    saved.snapshots.add_copy(snapshot).map_err(|e| e.message)
 }
 
 async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {

@@ -119,6 +119,25 @@ impl Snapshots {
         self.list.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The snapshot `reference` names, if one does.
+    pub fn find(&self, reference: &str) -> Option<Snapshot> {
+        self.lock().iter().find(|s| s.answers_to(reference)).cloned()
+    }
+
+    /// Records a snapshot copied from another node of a cluster (its image is in the store
+    /// already), unless one of the same template and tag is here.
+    pub fn add_copy(&self, snap: Snapshot) -> Result<(), ApiError> {
+        let mut list = self.lock();
+        if list.iter().any(|s| s.template_id == snap.template_id && s.tag == snap.tag) {
+            return Ok(());
+        }
+        let mut next = list.clone();
+        next.push(snap);
+        self.save(&next)?;
+        *list = next;
+        Ok(())
+    }
+
     /// What a create may name each snapshot by: its template id and its `name:tag`.
     pub fn references(&self) -> Vec<String> {
         self.lock().iter().flat_map(|s| [s.template_id.clone(), s.snapshot_id()]).collect()
