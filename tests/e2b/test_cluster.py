@@ -309,6 +309,32 @@ def test_a_snapshot_taken_on_one_node_starts_sandboxes_through_any_node(nodes):
             s.kill()
 
 
+def test_a_template_built_through_one_node_is_copied_where_its_sandboxes_land(nodes):
+    from e2b import Template
+
+    a, c = nodes["nodea"], nodes["nodec"]
+    tpl = f"cluster-tpl-{os.getpid()}"
+    Template.build(Template().from_template("base").run_cmd("echo built-on-a > /home/user/where.txt"), tpl, api_key=API_KEY, api_url=a.url)
+    # It was built on A; with A drained, a create of it through C lands elsewhere, which copies
+    # the template (its record and the image's layers it lacks) from A first.
+    until(lambda: tpl in members(c)["nodea"]["templates"], "A publishes the template", 10)
+    httpx.post(f"{a.url}/cluster/v1/nodes/nodea/drain", headers=H, timeout=30).raise_for_status()
+    made = []
+    try:
+        until(lambda: members(c)["nodea"]["draining"], "A is drained in C's view", 10)
+        for _ in range(2):
+            s = Sandbox.create(tpl, timeout=60, **c.sdk())
+            made.append(s)
+            assert s.sandbox_id[21:] != "nodea"
+            assert s.files.read("/home/user/where.txt").strip() == "built-on-a"
+    finally:
+        httpx.delete(f"{a.url}/cluster/v1/nodes/nodea/drain", headers=H, timeout=30)
+        for s in made:
+            s.kill()
+    for n in {s.sandbox_id[21:] for s in made}:
+        until(lambda: tpl in members(a)[n]["templates"], f"{n} publishes its copy", 10)
+
+
 def test_bad_cluster_flags_and_a_taken_name_are_refused(etcd, nodes):
     state = tempfile.mkdtemp(prefix="cordon-refused-")
     os.chmod(state, 0o755)

@@ -305,8 +305,8 @@ async fn create_sandbox(app: &Arc<App>, mut b: CreateBody) -> Result<Response<Bo
     // A snapshot (`<templateID>:default`, `name[:tag]`) starts a sandbox of its files, or one
     // restored from its memory on the tier and with the limits it was saved with.
     let mut resolved = app.sandboxes.saved.as_ref().and_then(|s| s.snapshots.resolve(&template));
-    // On a cluster, a snapshot another node took is copied here on its first use.
-    if resolved.is_none() && app.cluster.get().is_some() && app.templates.as_ref().and_then(|t| t.resolve(&template)).is_none() && cordon_sandbox::image::lookup(&app.images, &template).is_err() && crate::cluster::fetch_snapshot(app, &template).await? {
+    // On a cluster, a snapshot or template another node holds is copied here on its first use.
+    if resolved.is_none() && app.cluster.get().is_some() && app.templates.as_ref().and_then(|t| t.resolve(&template)).is_none() && cordon_sandbox::image::lookup(&app.images, &template).is_err() && crate::cluster::fetch_template(app, &template).await? {
         resolved = app.sandboxes.saved.as_ref().and_then(|s| s.snapshots.resolve(&template));
     }
     let restore = match resolved.as_ref().and_then(|r| r.memory.clone()) {

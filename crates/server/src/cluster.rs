@@ -241,6 +241,7 @@ async fn endpoints(app: &Arc<App>, cluster: &Arc<Cluster>, path: &str, req: Requ
             Ok(json_response(StatusCode::OK, &json!(cluster.node(name))))
         }
         (&Method::GET, ["snapshots", reference]) => snapshot_for_copy(app, &crate::query::percent_decode(reference, false)).await,
+        (&Method::GET, ["templates", reference]) => template_for_copy(app, &crate::query::percent_decode(reference, false)).await,
         (&Method::GET, ["layers", diff_id]) => send_layer(app, diff_id),
         (&Method::GET, ["sandboxes"]) => {
             let page = crate::api::list_page(app, req.uri().query())?;
@@ -259,8 +260,33 @@ async fn snapshot_for_copy(app: &Arc<App>, reference: &str) -> Result<Response<B
     if snap.memory.is_some() {
         return Err(ApiError::new(StatusCode::CONFLICT, format!("snapshot {reference} keeps a sandbox's memory: it starts sandboxes on its own node only")));
     }
-    let image = app.images.get(&snap.image).map_err(|e| ApiError::not_found(e.to_string()))?;
-    Ok(json_response(StatusCode::OK, &json!({ "snapshot": snap, "meta": image.meta })))
+    let meta = layered_meta(app, &snap.image).await?;
+    Ok(json_response(StatusCode::OK, &json!({ "snapshot": snap, "meta": meta })))
+}
+
+/// `GET /cluster/v1/templates/<reference>`: a built template's record (its ready builds) and
+/// their images' metadata, for a node that copies it.
+async fn template_for_copy(app: &Arc<App>, reference: &str) -> Result<Response<Body>, ApiError> {
+    let (id, record, images) = app.templates.as_ref().and_then(|t| t.export(reference)).ok_or_else(|| ApiError::not_found(format!("no built template {reference} on this node")))?;
+    let mut metas = serde_json::Map::new();
+    for image in images {
+        let meta = layered_meta(app, &image).await?;
+        metas.insert(image, serde_json::to_value(meta).expect("serializes"));
+    }
+    Ok(json_response(StatusCode::OK, &json!({ "id": id, "record": record, "metas": metas })))
+}
+
+/// Image `name`'s metadata with its layers listed (a one-tree image's tree made a layer once).
+async fn layered_meta(app: &Arc<App>, name: &str) -> Result<cordon_image::ImageMeta, ApiError> {
+    let (store, name) = (app.images.clone(), name.to_string());
+    tokio::task::spawn_blocking(move || {
+        let image = store.get(&name).map_err(|e| ApiError::not_found(e.to_string()))?;
+        let mut meta = image.meta.clone();
+        meta.layers = store.layer_ids(&image, &mut cordon_image::NoProgress).map_err(|e| ApiError::internal(e.to_string()))?;
+        Ok(meta)
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))?
 }
 
 /// `GET /cluster/v1/layers/<diff_id>`: a layer of this node's store as a tar, streamed as it is
@@ -320,70 +346,105 @@ impl std::io::Read for ChannelReader {
     }
 }
 
-/// One node copies snapshots at a time: two creates of a new snapshot fetch it once.
+/// One node copies templates at a time: two creates of a new one fetch it once.
 static FETCHING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Copies snapshot `reference` from a node that holds it, on its first use here: its record,
-/// and its image's layers this node lacks, by content digest (a layer this store has under the
-/// same diff_id is not sent again). True when the snapshot is here now; false when no other
-/// node holds it. Nothing is named before every layer has arrived whole.
-pub(crate) async fn fetch_snapshot(app: &Arc<App>, reference: &str) -> Result<bool, ApiError> {
-    let (Some(cluster), Some(saved)) = (app.cluster.get(), app.sandboxes.saved.as_ref()) else { return Ok(false) };
+/// Copies template `reference` (a snapshot, or a template built through the API) from a node
+/// that holds it, on its first use here: its record, and the layers of its images this node
+/// lacks, by content digest (a layer this store has under the same diff_id is not sent again).
+/// True when it is here now; false when no other node holds it. Nothing is named before every
+/// layer has arrived whole.
+pub(crate) async fn fetch_template(app: &Arc<App>, reference: &str) -> Result<bool, ApiError> {
+    let Some(cluster) = app.cluster.get() else { return Ok(false) };
     let holders: Vec<NodeInfo> = cluster.nodes().into_iter().filter(|n| !cluster.is_self(&n.name) && n.templates.iter().any(|t| t == reference)).collect();
     if holders.is_empty() {
         return Ok(false);
     }
     let _one = FETCHING.lock().await;
-    if saved.snapshots.find(reference).is_some() {
+    if held_here(app, reference) {
         return Ok(true);
     }
     let mut last = String::new();
     for node in &holders {
-        match copy_from(app, saved, &node.url, reference).await {
-            Ok(()) => {
-                tracing::info!(snapshot = %reference, node = %node.name, "cluster: snapshot copied from its node");
+        match copy_from(app, &node.url, reference).await {
+            Ok(kind) => {
+                tracing::info!(template = %reference, node = %node.name, kind, "cluster: copied from its node");
                 return Ok(true);
             }
             Err(e) => {
-                tracing::warn!(snapshot = %reference, node = %node.name, "cluster: cannot copy the snapshot: {e}");
+                tracing::warn!(template = %reference, node = %node.name, "cluster: cannot copy: {e}");
                 last = format!("{}: {e}", node.name);
             }
         }
     }
-    Err(ApiError::new(StatusCode::BAD_GATEWAY, format!("snapshot {reference} is on other nodes, and none gave a copy ({last}): retry, or create it through its node")))
+    Err(ApiError::new(StatusCode::BAD_GATEWAY, format!("template {reference} is on other nodes, and none gave a copy ({last}): retry, or create it through its node")))
 }
 
-async fn copy_from(app: &Arc<App>, saved: &crate::saved::Saved, url: &str, reference: &str) -> Result<(), String> {
-    let get = |path: String| {
-        let mut r = Request::builder().method(Method::GET).uri(path).body(Full::new(Bytes::new())).expect("a valid request");
-        r.headers_mut().insert("x-api-key", HeaderValue::from_str(&app.api_key).unwrap_or(HeaderValue::from_static("")));
-        r
-    };
-    let encoded: String = reference.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-_.".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect();
-    let resp = forward(url, get(format!("{PREFIX}/snapshots/{encoded}"))).await.map_err(|e| e.to_string())?;
+fn held_here(app: &App, reference: &str) -> bool {
+    app.sandboxes.saved.as_ref().is_some_and(|s| s.snapshots.find(reference).is_some()) || app.templates.as_ref().is_some_and(|t| t.resolve(reference).is_some())
+}
+
+/// A GET to another node with this cluster's key.
+fn peer_get(app: &App, path: String) -> Request<Full<Bytes>> {
+    let mut r = Request::builder().method(Method::GET).uri(path).body(Full::new(Bytes::new())).expect("a valid request");
+    if let Ok(v) = HeaderValue::from_str(&app.api_key) {
+        r.headers_mut().insert("x-api-key", v);
+    }
+    r
+}
+
+/// The JSON a node answers `path` with; `Ok(None)` for its 404.
+async fn peer_json(app: &App, url: &str, path: String) -> Result<Option<Value>, String> {
+    let resp = forward(url, peer_get(app, path)).await.map_err(|e| e.to_string())?;
     let status = resp.status();
     let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
-    if !status.is_success() {
-        return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
+    match status {
+        StatusCode::NOT_FOUND => Ok(None),
+        s if s.is_success() => serde_json::from_slice(&body).map(Some).map_err(|e| format!("an answer this version does not read: {e}")),
+        s => Err(format!("{s}: {}", String::from_utf8_lossy(&body))),
     }
-    #[derive(serde::Deserialize)]
-    struct Copy {
-        snapshot: crate::snapshots::Snapshot,
-        meta: cordon_image::ImageMeta,
-    }
-    let Copy { snapshot, mut meta } = serde_json::from_slice(&body).map_err(|e| format!("an answer this version does not read: {e}"))?;
-    let store = app.images.clone();
+}
+
+/// Copies `reference` from the node at `url`: a snapshot if it is one there, else a built
+/// template. Returns which.
+async fn copy_from(app: &Arc<App>, url: &str, reference: &str) -> Result<&'static str, String> {
+    let encoded: String = reference.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-_.".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect();
     let hold = {
-        let store = store.clone();
+        let store = app.images.clone();
         tokio::task::spawn_blocking(move || store.hold_layers()).await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?
     };
+    if let Some(v) = peer_json(app, url, format!("{PREFIX}/snapshots/{encoded}")).await? {
+        let saved = app.sandboxes.saved.as_ref().ok_or("this node keeps no snapshots")?;
+        let snapshot: crate::snapshots::Snapshot = serde_json::from_value(v["snapshot"].clone()).map_err(|e| e.to_string())?;
+        let meta: cordon_image::ImageMeta = serde_json::from_value(v["meta"].clone()).map_err(|e| e.to_string())?;
+        copy_image(app, url, &snapshot.image, meta).await?;
+        drop(hold);
+        saved.snapshots.add_copy(snapshot).map_err(|e| e.message)?;
+        return Ok("snapshot");
+    }
+    let v = peer_json(app, url, format!("{PREFIX}/templates/{encoded}")).await?.ok_or("it holds neither a snapshot nor a built template of that name now")?;
+    let templates = app.templates.as_ref().ok_or("this node keeps no templates")?;
+    let id = v["id"].as_str().ok_or("a template without its id")?.to_string();
+    for (image, meta) in v["metas"].as_object().into_iter().flatten() {
+        let meta: cordon_image::ImageMeta = serde_json::from_value(meta.clone()).map_err(|e| e.to_string())?;
+        copy_image(app, url, image, meta).await?;
+    }
+    drop(hold);
+    templates.add_copy(&id, v["record"].clone()).map_err(|e| e.message)?;
+    Ok("template")
+}
+
+/// Brings image `name` here: the layers of `meta` this store lacks, each streamed from the node
+/// at `url` into the store's unpack, then the image named over them.
+async fn copy_image(app: &Arc<App>, url: &str, name: &str, mut meta: cordon_image::ImageMeta) -> Result<(), String> {
+    let store = app.images.clone();
     let mut layers = Vec::with_capacity(meta.layers.len());
     for id in &meta.layers {
         if store.layer_path(id).is_some() {
             layers.push(id.clone());
             continue;
         }
-        let resp = forward(url, get(format!("{PREFIX}/layers/{id}"))).await.map_err(|e| e.to_string())?;
+        let resp = forward(url, peer_get(app, format!("{PREFIX}/layers/{id}"))).await.map_err(|e| e.to_string())?;
         if !resp.status().is_success() {
             return Err(format!("layer {id}: {}", resp.status()));
         }
@@ -417,9 +478,9 @@ async fn copy_from(app: &Arc<App>, saved: &crate::saved::Saved, url: &str, refer
         layers.push(got.map_err(|e| e.to_string())?);
     }
     meta.layers = layers;
-    saved.commit(&snapshot.image, meta).await.map_err(|e| e.message)?;
-    drop(hold);
-    saved.snapshots.add_copy(snapshot).map_err(|e| e.message)
+    meta.recipe = None;
+    let name = name.to_string();
+    tokio::task::spawn_blocking(move || store.commit(&name, meta, &mut cordon_image::NoProgress).map(drop).map_err(|e| e.to_string())).await.map_err(|e| e.to_string())?
 }
 
 async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {

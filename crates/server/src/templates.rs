@@ -259,6 +259,33 @@ impl Templates {
         t.builds.iter().find(|b| b.id == build && b.status == "ready").map(|b| b.image.clone())
     }
 
+    /// Template `name_or_id`'s record with its ready builds only, and their images: what
+    /// another node of a cluster copies (see `crate::cluster`).
+    pub fn export(&self, name_or_id: &str) -> Option<(String, Value, Vec<String>)> {
+        let db = self.db.lock().expect("db lock");
+        let (id, _) = Self::find(&db, name_or_id)?;
+        let mut rec = db.templates[&id].clone();
+        rec.builds.retain(|b| b.status == "ready");
+        rec.tags.retain(|_, t| rec.builds.iter().any(|b| b.id == t.build));
+        if rec.builds.is_empty() {
+            return None;
+        }
+        let images = rec.builds.iter().map(|b| b.image.clone()).collect();
+        Some((id, serde_json::to_value(&rec).expect("serializes"), images))
+    }
+
+    /// Records template `id` copied from another node (its builds' images are in the store
+    /// already), unless this node has a template of that id or of one of its names.
+    pub fn add_copy(&self, id: &str, record: Value) -> Result<(), ApiError> {
+        let rec: TemplateRec = serde_json::from_value(record).map_err(|e| ApiError::internal(format!("a template record this version does not read: {e}")))?;
+        let mut db = self.db.lock().expect("db lock");
+        if db.templates.contains_key(id) || db.templates.values().any(|t| t.names.iter().any(|n| rec.names.contains(n))) {
+            return Ok(());
+        }
+        db.templates.insert(id.to_string(), rec);
+        self.save_or_500(&db)
+    }
+
     /// `GET /templates/aliases/{alias}`: whether a template of that name exists.
     pub fn alias(&self, alias: &str) -> Option<String> {
         let db = self.db.lock().expect("db lock");
