@@ -165,6 +165,15 @@ def test_thirty_sandboxes_through_a_spread_run_list_and_survive_the_loss_of_b(no
             assert s.files.read("/home/user/through-c.txt") == f"c:{s.sandbox_id}"
             assert via_c.get_info().metadata["n"] == s.get_info().metadata["n"]
 
+        # The metrics of sandboxes of every node, through one node.
+        some = [sorted(v)[0] for v in by_node.values()]
+        r = httpx.get(f"{c.url}/sandboxes/metrics", params={"sandbox_ids": ",".join(some)}, headers=H, timeout=30)
+        assert r.status_code == 200, r.text
+        got = r.json()["sandboxes"]
+        assert set(got) == set(some) and all(m["cpuCount"] >= 1 and m["memTotal"] > 0 for m in got.values()), got
+        assert httpx.get(f"{c.url}/sandboxes/metrics", headers=H).status_code == 400
+        assert httpx.get(f"{c.url}/sandboxes/metrics", params={"sandbox_ids": f"{some[0]},{some[0]}"}, headers=H).status_code == 400
+
         # All 30 from B, seven to a page: no item twice, none missing, in order.
         pager = Sandbox.list(query=None, limit=7, api_key=API_KEY, api_url=b.url)
         pages = []

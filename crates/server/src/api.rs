@@ -73,6 +73,7 @@ async fn route(app: &Arc<App>, req: Request<Incoming>) -> Result<Response<Body>,
     match (&method, segs.0, segs.1.as_slice()) {
         (&Method::POST, _, ["sandboxes"]) => create(app, req).await,
         (&Method::GET, _, ["sandboxes"]) => list(app, req.uri().query()),
+        (&Method::GET, false, ["sandboxes", "metrics"]) => Ok(json_response(StatusCode::OK, &json!({ "sandboxes": metrics_of(app, &metrics_ids(req.uri().query())?) }))),
         (&Method::GET, false, ["sandboxes", id]) => detail(app, id),
         (&Method::DELETE, false, ["sandboxes", id]) => kill(app, id).await,
         (&Method::POST, false, ["sandboxes", id, "pause"]) => {
@@ -683,6 +684,35 @@ fn metrics(app: &Arc<App>, id: &str, q: Option<&str>) -> Result<Response<Body>, 
     }
     let e = app.sandboxes.get(id).ok_or_else(|| not_found(id))?;
     Ok(json_response(StatusCode::OK, &Value::Array(crate::metrics::samples(&e, start, end))))
+}
+
+/// Most ids one `GET /sandboxes/metrics` takes.
+const MAX_METRICS_IDS: usize = 100;
+
+/// `sandbox_ids` of `GET /sandboxes/metrics`: required, comma-joined, at most 100, unique.
+pub(crate) fn metrics_ids(q: Option<&str>) -> Result<Vec<String>, ApiError> {
+    let raw = query::get(q, "sandbox_ids").unwrap_or_default();
+    let ids: Vec<String> = raw.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect();
+    if ids.is_empty() {
+        return Err(ApiError::bad_request("sandbox_ids is required: give the sandboxes' ids, comma-separated"));
+    }
+    if ids.len() > MAX_METRICS_IDS {
+        return Err(ApiError::bad_request(format!("sandbox_ids names {} sandboxes: give at most {MAX_METRICS_IDS}", ids.len())));
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = ids.iter().find(|i| !seen.insert(*i)) {
+        return Err(ApiError::bad_request(format!("sandbox_ids names {dup} twice: give each once")));
+    }
+    Ok(ids)
+}
+
+/// The latest `SandboxMetric` of each of `ids` that runs here, by id (the others are left out,
+/// as E2B leaves out the ones it does not find).
+pub(crate) fn metrics_of(app: &Arc<App>, ids: &[String]) -> serde_json::Map<String, Value> {
+    ids.iter()
+        .filter_map(|id| app.sandboxes.get(id))
+        .filter_map(|e| crate::metrics::samples(&e, None, None).pop().map(|m| (e.id.clone(), m)))
+        .collect()
 }
 
 /// cordon's extension: what the sandbox's filters refused so far (syscalls and network

@@ -65,6 +65,7 @@ pub async fn route(app: &Arc<App>, cluster: &Arc<Cluster>, route: &Route, req: R
             match (req.method(), segs) {
                 (&Method::POST, ["sandboxes"]) => return Ok(create(app, cluster, req).await.unwrap_or_else(ApiError::into_response)),
                 (&Method::GET, ["sandboxes"]) => return Ok(list(app, cluster, req).await.unwrap_or_else(ApiError::into_response)),
+                (&Method::GET, ["sandboxes", "metrics"]) => return Ok(metrics(app, cluster, req).await.unwrap_or_else(ApiError::into_response)),
                 // A snapshot may have been copied to other nodes: it goes from all of them.
                 (&Method::DELETE, ["templates", _]) => return Ok(everywhere(app, cluster, req).await.unwrap_or_else(ApiError::into_response)),
                 (_, ["sandboxes", id, ..]) => id.to_string(),
@@ -180,6 +181,32 @@ async fn list(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) ->
         r.headers_mut().insert("x-next-token", v);
     }
     Ok(r)
+}
+
+/// `GET /sandboxes/metrics?sandbox_ids=...` on a cluster: each owner asked for its own, merged.
+async fn metrics(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    crate::auth::check_api_key(req.headers(), &app.api_key)?;
+    let ids = crate::api::metrics_ids(req.uri().query())?;
+    let mut merged = crate::api::metrics_of(app, &ids);
+    let mut by_node: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for id in &ids {
+        if let Some(n) = cordon_cluster::node_of(id).filter(|n| !cluster.is_self(n)) {
+            by_node.entry(n.to_string()).or_default().push(id.clone());
+        }
+    }
+    let asks = by_node.into_iter().filter_map(|(n, ids)| cluster.node(&n).map(|node| (node, ids))).map(|(node, ids)| async move {
+        let got = tokio::time::timeout(FAN_OUT_TIMEOUT, peer_json(app, &node.url, format!("/sandboxes/metrics?sandbox_ids={}", ids.join(",")))).await;
+        (node.name, got)
+    });
+    for (name, got) in futures_util::future::join_all(asks).await {
+        match got {
+            Ok(Ok(Some(v))) => merged.extend(v.get("sandboxes").and_then(Value::as_object).cloned().unwrap_or_default()),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => tracing::warn!(node = %name, "cluster: a node's metrics are left out: {e}"),
+            Err(_) => tracing::warn!(node = %name, "cluster: a node's metrics are left out: no answer in time"),
+        }
+    }
+    Ok(json_response(StatusCode::OK, &json!({ "sandboxes": merged })))
 }
 
 /// A request every node serves (this one through its own door too): the first success is the
