@@ -67,6 +67,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+def until(cond, what, secs=60, every=0.05):
+    """`cond()`'s first truthy value, polled every `every` seconds for at most `secs`."""
+    deadline = time.monotonic() + secs
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"not within {secs} s: {what}")
+
+
 class Serve:
     """Another `cordon serve` (the binary run.sh exports as CORDON_BIN) on a port of its own, with
     the suite's API key and whatever extra `args` (a restart, another state dir, a flag the suite's

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from e2b import NotFoundException, Sandbox
 
-from conftest import API_KEY, Serve, free_port
+from conftest import API_KEY, Serve, free_port, until
 
 STATE = os.environ.get("CORDON_HOME", "/var/lib/cordon")
 TTL_S = 4
@@ -121,16 +121,6 @@ def members(node):
     r = httpx.get(node.url + "/cluster/v1/nodes", headers=H, timeout=30)
     assert r.status_code == 200, r.text
     return {m["name"]: m for m in r.json()}
-
-
-def until(cond, what, secs):
-    deadline = time.monotonic() + secs
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {secs} s: {what}")
 
 
 def test_every_node_sees_the_three(nodes):

@@ -7,7 +7,6 @@ is one JSON object, and the lines about a request carry its id and the sandbox's
 
 import json
 import os
-import time
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ from e2b import Sandbox
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import API_KEY, Serve, free_port, route_dev, sh
+from conftest import API_KEY, Serve, free_port, route_dev, sh, until
 
 # A namespace of the test's own with one TEST-NET address: the target of an allowed egress flow
 # (nothing listens there, so the connection is refused after the policy let it out).
@@ -82,16 +81,6 @@ def value(m, name, **labels):
     """The sum of `name`'s samples whose labels include `labels` (0 when there is none)."""
     want = set(labels.items())
     return sum(v for (n, ls), v in m.items() if n == name and want <= set(ls))
-
-
-def until(cond, what, secs=60):
-    deadline = time.monotonic() + secs
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_the_main_listener_asks_for_the_key_and_the_metrics_listener_serves_only_metrics(server):
