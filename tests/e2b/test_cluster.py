@@ -155,6 +155,12 @@ def test_thirty_sandboxes_through_a_spread_run_list_and_survive_the_loss_of_b(no
             assert s.files.read("/home/user/through-c.txt") == f"c:{s.sandbox_id}"
             assert via_c.get_info().metadata["n"] == s.get_info().metadata["n"]
 
+        # Old SDKs send the access token alone after a connect: it names the owner too.
+        for s in sbs[:6]:
+            r = httpx.post(f"{c.url}/filesystem.Filesystem/Stat", json={"path": "/tmp/who"}, timeout=30,
+                           headers={"X-Access-Token": s._envd_access_token, "Connect-Protocol-Version": "1"})
+            assert r.status_code == 200 and r.json()["entry"]["name"] == "who", (s.sandbox_id, r.status_code, r.text)
+
         # The metrics of sandboxes of every node, through one node.
         some = [sorted(v)[0] for v in by_node.values()]
         r = httpx.get(f"{c.url}/sandboxes/metrics", params={"sandbox_ids": ",".join(some)}, headers=H, timeout=30)

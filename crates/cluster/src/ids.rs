@@ -24,7 +24,18 @@ pub fn node_of(id: &str) -> Option<&str> {
     id.get(BASE_ID_LEN..).filter(|n| valid_node_name(n))
 }
 
-/// A new id for a sandbox of `node` (a standalone id when `node` is empty).
+/// Length of an access token a standalone server makes: 64 hex digits.
+pub const BASE_TOKEN_LEN: usize = 64;
+
+/// The node that owns the sandbox of access token `token`, when the token names one: old SDKs
+/// drop the sandbox headers after a connect and send the token alone, so a cluster node's
+/// tokens carry its name after their 64 hex digits, as its ids do after their 21 characters.
+pub fn node_of_token(token: &str) -> Option<&str> {
+    let (hex, node) = (token.get(..BASE_TOKEN_LEN)?, token.get(BASE_TOKEN_LEN..)?);
+    hex.bytes().all(|b| b.is_ascii_hexdigit()).then_some(node).filter(|n| valid_node_name(n))
+}
+
+/// A new id (or access token) for a sandbox of `node` (a standalone one when `node` is empty).
 pub fn with_node(base: String, node: &str) -> String {
     base + node
 }
@@ -41,6 +52,15 @@ mod tests {
         assert_eq!(node_of(&format!("i{}", "a".repeat(20))), None);
         assert_eq!(node_of("iabc"), None);
         assert_eq!(node_of(&format!("x{}n1", "a".repeat(20))), None);
+    }
+
+    #[test]
+    fn a_token_names_its_node() {
+        let t = with_node("ab".repeat(32), "n1");
+        assert_eq!(node_of_token(&t), Some("n1"));
+        assert_eq!(node_of_token(&"ab".repeat(32)), None);
+        assert_eq!(node_of_token(&format!("{}n1", "xz".repeat(32))), None);
+        assert_eq!(node_of_token("short"), None);
     }
 
     #[test]

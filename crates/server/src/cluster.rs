@@ -57,6 +57,13 @@ pub async fn route(app: &Arc<App>, cluster: &Arc<Cluster>, route: &Route, req: R
     if req.headers().contains_key(HOP_HEADER) {
         return Err(req);
     }
+    // Old SDKs send the access token alone after a connect: the token names the owner too.
+    if let Route::ByToken(token) = route {
+        return match cordon_cluster::ids::node_of_token(token).filter(|n| !cluster.is_self(n)).and_then(|n| cluster.node(n)) {
+            Some(node) => Ok(forward(&node.url, req).await.unwrap_or_else(|e| ApiError::new(StatusCode::BAD_GATEWAY, format!("the sandbox's node did not take the request: {e}")).into_response())),
+            None => Err(req),
+        };
+    }
     let id = match route {
         Route::Sandbox { id, .. } => id.clone(),
         Route::Api => {

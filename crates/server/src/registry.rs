@@ -211,7 +211,8 @@ pub struct Identity {
 impl Identity {
     /// A new sandbox's: a fresh id (naming `node`, on a cluster node) and fresh tokens.
     fn fresh(node: &str) -> Identity {
-        Identity { id: cordon_cluster::ids::with_node(cordon_sandbox::new_id(), node), token: auth::new_access_token(), traffic_token: auth::new_access_token(), new: true }
+        let id = cordon_cluster::ids::with_node(cordon_sandbox::new_id(), node);
+        Identity { id, token: cordon_cluster::ids::with_node(auth::new_access_token(), node), traffic_token: auth::new_access_token(), new: true }
     }
 }
 
