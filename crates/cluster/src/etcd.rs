@@ -38,8 +38,7 @@ impl Etcd {
     pub fn new(urls: &[String]) -> Result<Etcd, ClusterError> {
         let mut endpoints = Vec::new();
         for u in urls {
-            let hostport = u.strip_prefix("http://").map(|r| r.trim_end_matches('/')).filter(|r| !r.is_empty() && !r.contains('/') && r.contains(':'));
-            endpoints.push(hostport.ok_or_else(|| ClusterError::BadEndpoint(u.clone()))?.to_string());
+            endpoints.push(crate::host_port(u).ok_or_else(|| ClusterError::BadEndpoint(u.clone()))?.to_string());
         }
         if endpoints.is_empty() {
             return Err(ClusterError::BadSpec(String::new()));

@@ -17,6 +17,12 @@ pub mod membership;
 pub mod placement;
 
 pub use ids::{node_of, valid_node_name};
+
+/// `HOST:PORT` of an `http://HOST:PORT` URL (a trailing `/` allowed), the only form the
+/// cluster's addresses take: etcd's endpoints and the nodes' `--advertise`.
+pub fn host_port(url: &str) -> Option<&str> {
+    url.strip_prefix("http://").map(|r| r.trim_end_matches('/')).filter(|r| !r.is_empty() && !r.contains('/') && r.contains(':'))
+}
 pub use membership::{Cluster, ClusterConfig, NodeInfo};
 
 /// What can go wrong talking to the cluster's store or joining it.

@@ -49,8 +49,7 @@ impl ClusterConfig {
         if !ids::valid_node_name(node) {
             return Err(ClusterError::BadNodeName(node.to_string()));
         }
-        let hostport = advertise.strip_prefix("http://").map(|r| r.trim_end_matches('/')).filter(|r| !r.is_empty() && !r.contains('/') && r.contains(':'));
-        if hostport.is_none() {
+        if crate::host_port(advertise).is_none() {
             return Err(ClusterError::BadEndpoint(advertise.to_string()));
         }
         Ok(ClusterConfig { etcd, node: node.to_string(), advertise: advertise.trim_end_matches('/').to_string(), ttl: ttl.max(Duration::from_secs(2)) })

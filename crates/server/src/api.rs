@@ -169,14 +169,16 @@ fn volumes(app: &App) -> Result<&Arc<crate::volumes::VolumeApi>, ApiError> {
 }
 
 pub(crate) async fn read_json<T: for<'de> Deserialize<'de>>(req: Request<Incoming>, empty_ok: bool) -> Result<T, ApiError> {
-    let body: Bytes = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body exceeds {MAX_BODY} bytes")))
-        }
-        Err(e) => return Err(ApiError::bad_request(format!("cannot read the request body: {e}"))),
-    };
-    parse_json(&body, empty_ok)
+    parse_json(&read_body(req.into_body()).await?, empty_ok)
+}
+
+/// A control-plane request's body, at most [`MAX_BODY`] bytes.
+pub(crate) async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
+    match Limited::new(body, MAX_BODY).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body exceeds {MAX_BODY} bytes"))),
+        Err(e) => Err(ApiError::bad_request(format!("cannot read the request body: {e}"))),
+    }
 }
 
 fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8], empty_ok: bool) -> Result<T, ApiError> {
@@ -307,7 +309,7 @@ async fn create_sandbox(app: &Arc<App>, mut b: CreateBody) -> Result<Response<Bo
     // restored from its memory on the tier and with the limits it was saved with.
     let mut resolved = app.sandboxes.saved.as_ref().and_then(|s| s.snapshots.resolve(&template));
     // On a cluster, a snapshot or template another node holds is copied here on its first use.
-    if resolved.is_none() && app.cluster.get().is_some() && app.templates.as_ref().and_then(|t| t.resolve(&template)).is_none() && cordon_sandbox::image::lookup(&app.images, &template).is_err() && crate::cluster::fetch_template(app, &template).await? {
+    if resolved.is_none() && crate::cluster::fetch_template(app, &template).await? {
         resolved = app.sandboxes.saved.as_ref().and_then(|s| s.snapshots.resolve(&template));
     }
     let restore = match resolved.as_ref().and_then(|r| r.memory.clone()) {
@@ -802,7 +804,7 @@ impl Listed {
 
 fn list(app: &Arc<App>, q: Option<&str>) -> Result<Response<Body>, ApiError> {
     let page = list_page(app, q)?;
-    let token = page.items.last().filter(|_| page.more).map(|(k, _)| format!("{}_{}", k.0, k.1));
+    let token = page.items.last().filter(|_| page.more).map(|(k, _)| position_token(k));
     let body: Vec<Value> = page.items.into_iter().map(|(_, v)| v).collect();
     let mut r = json_response(StatusCode::OK, &Value::Array(body));
     if let Some(v) = token.and_then(|t| HeaderValue::from_str(&t).ok()) {
@@ -823,7 +825,12 @@ pub(crate) struct Page {
     pub ascending: bool,
 }
 
-/// A position as a `nextToken` gives it (`<start ns>_<id>`).
+/// A position as a `nextToken` (`<start ns>_<id>`).
+pub(crate) fn position_token(p: &(u128, String)) -> String {
+    format!("{}_{}", p.0, p.1)
+}
+
+/// A position as a `nextToken` gives it (see [`position_token`]).
 pub(crate) fn parse_position(t: &str) -> Option<(u128, String)> {
     t.split_once('_').and_then(|(n, id)| Some((n.parse::<u128>().ok()?, id.to_string())))
 }

@@ -21,7 +21,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use cordon_cluster::placement::Want;
 use cordon_cluster::{Cluster, NodeInfo};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, HOST};
 use hyper::{Method, Request, Response, StatusCode, Uri};
@@ -44,9 +44,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a node has to answer its part of a list.
 const FAN_OUT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Largest create body (the API's own limit).
-const MAX_BODY: usize = 1 << 20;
 
 /// What the front door does with a request: answers it, or hands it back for this node to serve.
 pub async fn route(app: &Arc<App>, cluster: &Arc<Cluster>, route: &Route, req: Request<Incoming>) -> Result<Response<Body>, Request<Incoming>> {
@@ -101,7 +98,7 @@ pub async fn route(app: &Arc<App>, cluster: &Arc<Cluster>, route: &Route, req: R
 async fn create(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     crate::auth::check_api_key(req.headers(), &app.api_key)?;
     let (parts, body) = req.into_parts();
-    let body = read_body(body).await?;
+    let body = crate::api::read_body(body).await?;
     let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
     let template = v.get("templateID").and_then(Value::as_str).filter(|t| !t.is_empty()).unwrap_or("base");
     let memory = v.get("memoryMB").and_then(Value::as_u64).unwrap_or(crate::api::DEFAULT_MEMORY_MB) << 20;
@@ -112,13 +109,11 @@ async fn create(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) 
     }
     let mut last: Option<Response<Body>> = None;
     for node in &nodes {
-        let mut r = Request::from_parts(parts.clone(), Full::new(body.clone()));
-        r.headers_mut().insert(HOP_HEADER, HeaderValue::from_static("1"));
         let answer = if cluster.is_self(&node.name) {
             // This node's own share needs no connection.
             Ok(crate::api::create_from(app, body.clone()).await.unwrap_or_else(ApiError::into_response))
         } else {
-            forward(&node.url, r).await
+            forward(&node.url, Request::from_parts(parts.clone(), Full::new(body.clone()))).await
         };
         match answer {
             Ok(resp) if !refused(resp.status()) => {
@@ -155,17 +150,10 @@ async fn list(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) ->
     let mut items = local.items;
     let mut more = local.more;
     let peers: Vec<NodeInfo> = cluster.nodes().into_iter().filter(|n| !cluster.is_self(&n.name)).collect();
+    let path = format!("{PREFIX}/sandboxes{}", q.as_deref().map(|q| format!("?{q}")).unwrap_or_default());
     let asks = peers.iter().map(|n| {
-        let uri = format!("{PREFIX}/sandboxes{}", q.as_deref().map(|q| format!("?{q}")).unwrap_or_default());
-        let mut r = Request::builder().method(Method::GET).uri(uri).body(Full::new(Bytes::new())).expect("a valid request");
-        for h in ["x-api-key", "authorization"] {
-            if let Some(v) = req.headers().get(h) {
-                r.headers_mut().insert(h, v.clone());
-            }
-        }
-        r.headers_mut().insert(HOP_HEADER, HeaderValue::from_static("1"));
-        let url = n.url.clone();
-        async move { tokio::time::timeout(FAN_OUT_TIMEOUT, page_of(&url, r)).await.map_err(|_| "no answer in time".to_string()).and_then(|r| r) }
+        let path = path.clone();
+        async move { tokio::time::timeout(FAN_OUT_TIMEOUT, page_of(app, &n.url, path)).await.map_err(|_| "no answer in time".to_string()).and_then(|r| r) }
     });
     for (n, got) in peers.iter().zip(futures_util::future::join_all(asks).await) {
         match got {
@@ -182,7 +170,7 @@ async fn list(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) ->
     }
     more |= items.len() > limit;
     items.truncate(limit);
-    let token = items.last().filter(|_| more).map(|(k, _)| format!("{}_{}", k.0, k.1));
+    let token = items.last().filter(|_| more).map(|(k, _)| crate::api::position_token(k));
     let mut r = json_response(StatusCode::OK, &Value::Array(items.into_iter().map(|(_, v)| v).collect()));
     if let Some(v) = token.and_then(|t| HeaderValue::from_str(&t).ok()) {
         r.headers_mut().insert("x-next-token", v);
@@ -221,13 +209,11 @@ async fn metrics(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>)
 async fn everywhere(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     crate::auth::check_api_key(req.headers(), &app.api_key)?;
     let (parts, body) = req.into_parts();
-    let body = read_body(body).await?;
+    let body = crate::api::read_body(body).await?;
     let nodes = cluster.nodes();
     let sends = nodes.iter().map(|n| {
-        let mut r = Request::from_parts(parts.clone(), Full::new(body.clone()));
-        r.headers_mut().insert(HOP_HEADER, HeaderValue::from_static("1"));
-        let url = n.url.clone();
-        async move { tokio::time::timeout(FAN_OUT_TIMEOUT, forward(&url, r)).await }
+        let r = Request::from_parts(parts.clone(), Full::new(body.clone()));
+        async move { tokio::time::timeout(FAN_OUT_TIMEOUT, forward(&n.url, r)).await }
     });
     let mut mine = None;
     let mut ok = None;
@@ -243,15 +229,10 @@ async fn everywhere(app: &Arc<App>, cluster: &Arc<Cluster>, req: Request<Incomin
     ok.or(mine).ok_or_else(|| ApiError::new(StatusCode::BAD_GATEWAY, "no node of the cluster answered: retry"))
 }
 
-/// One node's page: `(position, item)` pairs and whether it has more.
-async fn page_of(url: &str, req: Request<Full<Bytes>>) -> Result<(Vec<crate::api::Positioned>, bool), String> {
-    let resp = forward(url, req).await.map_err(|e| e.to_string())?;
-    let status = resp.status();
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
-    if !status.is_success() {
-        return Err(format!("{status}: {}", String::from_utf8_lossy(&body)));
-    }
-    let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+/// One node's page (`path`: its `/cluster/v1/sandboxes` with the list's query): `(position,
+/// item)` pairs and whether it has more.
+async fn page_of(app: &App, url: &str, path: String) -> Result<(Vec<crate::api::Positioned>, bool), String> {
+    let v = peer_json(app, url, path).await?.ok_or("404: it serves no cluster pages")?;
     let mut out = Vec::new();
     for it in v.get("items").and_then(Value::as_array).into_iter().flatten() {
         let key = it.get("position").and_then(Value::as_str).and_then(crate::api::parse_position).ok_or("an item without its position")?;
@@ -279,7 +260,7 @@ async fn endpoints(app: &Arc<App>, cluster: &Arc<Cluster>, path: &str, req: Requ
         (&Method::GET, ["layers", diff_id]) => send_layer(app, diff_id),
         (&Method::GET, ["sandboxes"]) => {
             let page = crate::api::list_page(app, req.uri().query())?;
-            let items: Vec<Value> = page.items.into_iter().map(|(k, v)| json!({ "position": format!("{}_{}", k.0, k.1), "sandbox": v })).collect();
+            let items: Vec<Value> = page.items.into_iter().map(|(k, v)| json!({ "position": crate::api::position_token(&k), "sandbox": v })).collect();
             Ok(json_response(StatusCode::OK, &json!({ "items": items, "more": page.more })))
         }
         _ => Err(ApiError::not_found(format!("no such cluster endpoint: {path}"))),
@@ -394,6 +375,10 @@ pub(crate) async fn fetch_template(app: &Arc<App>, reference: &str) -> Result<bo
     if holders.is_empty() {
         return Ok(false);
     }
+    // Most creates name what every node has (`base`): nothing to copy, and no lock taken.
+    if held_here(app, reference) {
+        return Ok(true);
+    }
     let _one = FETCHING.lock().await;
     if held_here(app, reference) {
         return Ok(true);
@@ -414,8 +399,11 @@ pub(crate) async fn fetch_template(app: &Arc<App>, reference: &str) -> Result<bo
     Err(ApiError::new(StatusCode::BAD_GATEWAY, format!("template {reference} is on other nodes, and none gave a copy ({last}): retry, or create it through its node")))
 }
 
+/// Whether a create of `reference` finds it here: a snapshot, a built template or an image.
 fn held_here(app: &App, reference: &str) -> bool {
-    app.sandboxes.saved.as_ref().is_some_and(|s| s.snapshots.find(reference).is_some()) || app.templates.as_ref().is_some_and(|t| t.resolve(reference).is_some())
+    app.sandboxes.saved.as_ref().is_some_and(|s| s.snapshots.find(reference).is_some())
+        || app.templates.as_ref().is_some_and(|t| t.resolve(reference).is_some())
+        || cordon_sandbox::image::lookup(&app.images, reference).is_ok()
 }
 
 /// A GET to another node with this cluster's key.
@@ -517,14 +505,6 @@ async fn copy_image(app: &Arc<App>, url: &str, name: &str, mut meta: cordon_imag
     tokio::task::spawn_blocking(move || store.commit(&name, meta, &mut cordon_image::NoProgress).map(drop).map_err(|e| e.to_string())).await.map_err(|e| e.to_string())?
 }
 
-async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
-    match Limited::new(body, MAX_BODY).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body exceeds {MAX_BODY} bytes"))),
-        Err(e) => Err(ApiError::bad_request(format!("cannot read the request body: {e}"))),
-    }
-}
-
 /// Why a request could not be passed to a node.
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
@@ -543,7 +523,7 @@ where
     B: hyper::body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let hostport = url.strip_prefix("http://").unwrap_or(url).to_string();
+    let hostport = cordon_cluster::host_port(url).unwrap_or(url).to_string();
     let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&hostport)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => return Err(ForwardError::Connect(hostport, e)),
@@ -566,13 +546,7 @@ where
     tokio::spawn(conn.with_upgrades());
     let mut resp = sender.send_request(req).await?;
     if let Some(client) = upgrade {
-        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-            let inner = hyper::upgrade::on(&mut resp);
-            tokio::spawn(async move {
-                let (Ok(client), Ok(inner)) = (client.await, inner.await) else { return };
-                let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(inner)).await;
-            });
-        }
+        crate::proxy::splice_on_101(client, &mut resp);
     }
     let (parts, body) = resp.into_parts();
     Ok(Response::from_parts(parts, body.boxed()))
@@ -580,18 +554,12 @@ where
 
 /// What this node publishes at each heartbeat.
 pub fn load(app: &App, tiers: &[String]) -> cordon_cluster::membership::Load {
-    let mut templates: Vec<String> = Vec::new();
-    if let Ok(Value::Array(list)) = crate::template_list::list(app) {
-        for t in &list {
-            for field in ["templateID", "buildID"] {
-                if let Some(s) = t.get(field).and_then(Value::as_str) {
-                    templates.push(s.to_string());
-                }
-            }
-            for field in ["aliases", "names"] {
-                templates.extend(t.get(field).and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).map(str::to_string));
-            }
-        }
+    // What a create may name: the store's images listed as templates, built templates by id and
+    // name, snapshots by id and `name:tag`.
+    let mut templates: Vec<String> = app.images.list().unwrap_or_default().into_iter().map(|i| i.name).filter(|n| crate::template_list::is_listed_image(n)).collect();
+    for t in app.templates.as_ref().map(|t| t.summaries()).unwrap_or_default() {
+        templates.push(t.id);
+        templates.extend(t.names);
     }
     if let Some(saved) = &app.sandboxes.saved {
         templates.extend(saved.snapshots.references());

@@ -337,6 +337,17 @@ pub(crate) fn wants_upgrade<B>(req: &Request<B>) -> bool {
         })
 }
 
+/// After a 101 from upstream, splices the client's upgraded connection to upstream's.
+pub(crate) fn splice_on_101<B>(client: hyper::upgrade::OnUpgrade, resp: &mut Response<B>) {
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let inner = hyper::upgrade::on(resp);
+        tokio::spawn(async move {
+            let (Ok(client), Ok(inner)) = (client.await, inner.await) else { return };
+            let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(inner)).await;
+        });
+    }
+}
+
 async fn forward(socket: &Path, port: u16, mut req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
     // A user port may switch protocols (a websocket server, say): then the upgrade headers
     // must reach it, and after its 101 both upgraded connections are spliced together.
@@ -371,13 +382,7 @@ async fn forward(socket: &Path, port: u16, mut req: Request<Incoming>) -> Result
             Some(client) => {
                 tokio::spawn(conn.with_upgrades());
                 let mut resp = sender.send_request(req).await?;
-                if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-                    let inner = hyper::upgrade::on(&mut resp);
-                    tokio::spawn(async move {
-                        let (Ok(client), Ok(inner)) = (client.await, inner.await) else { return };
-                        let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(inner)).await;
-                    });
-                }
+                splice_on_101(client, &mut resp);
                 resp
             }
         }
