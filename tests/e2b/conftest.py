@@ -68,14 +68,16 @@ def free_port():
 
 
 def until(cond, what, secs=60, every=0.05):
-    """`cond()`'s first truthy value, polled every `every` seconds for at most `secs`."""
+    """`cond()`'s first truthy value, polled every `every` seconds for at most `secs`; fails
+    naming `what` and the last value seen."""
     deadline = time.monotonic() + secs
+    got = None
     while time.monotonic() < deadline:
         got = cond()
         if got:
             return got
         time.sleep(every)
-    raise AssertionError(f"not within {secs} s: {what}")
+    raise AssertionError(f"not within {secs} s: {what}; last: {got!r}")
 
 
 class Serve:

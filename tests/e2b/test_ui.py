@@ -17,7 +17,7 @@ import pytest
 import websocket
 from e2b import Sandbox
 
-from conftest import API_KEY, API_URL
+from conftest import API_KEY, API_URL, until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "target" / "ui-screenshots"
@@ -25,17 +25,9 @@ WRONG_KEY = "e2b_" + "1" * 40
 XSS = "<img src=x onerror=window.__xss=1>"
 
 
-def deadline_poll(fn, what, timeout=30.0, interval=0.1):
-    """fn() until it returns something truthy, at most `timeout` seconds; fails naming `what`
-    and the last value seen."""
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+def deadline_poll(fn, what, timeout=30.0):
+    """conftest's `until`, with this test's default wait and a 0.1 s poll."""
+    return until(fn, what, timeout, every=0.1)
 
 
 def ensure_chromium():
