@@ -44,7 +44,7 @@ const ND_NEIGHBOR_SOLICIT: u8 = 135;
 const ND_NEIGHBOR_ADVERT: u8 = 136;
 /// Link-layer frames one read handles before it lets the stack's other work run.
 const LINK_ONLY_BATCH: usize = 64;
-/// The largest frame read: a 64 KiB IP packet and its header (the link's MTU is far below).
+/// The largest frame read: a 64 KiB IP packet and its header (the link's MTU is just below).
 const MAX_FRAME: usize = ETH_HEADER + 65535;
 
 /// A VM's link, read and written as IP packets by the user-space stack.

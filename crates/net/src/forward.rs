@@ -5,7 +5,7 @@ use crate::guard;
 use crate::sniff::{sniff, Sniffed, MAX_PEEK};
 use crate::Shared;
 use cordon_spec::{NetworkPolicy, Target, Verdict};
-use ipstack::{IpNumber, IpStack, IpStackConfig, IpStackStream, IpStackTcpStream, IpStackUdpStream, TcpConfig};
+use ipstack::{IpNumber, IpStack, IpStackConfig, IpStackStream, IpStackTcpStream, IpStackUdpStream, TcpConfig, TcpOptions};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,6 +22,9 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// follows what is left of this (see vendor/ipstack), so a destination that does not read
 /// stops the sandbox's sender instead of growing the forwarder.
 const TCP_READ_BUFFER: usize = 1 << 16;
+/// The copy buffer from a destination toward the sandbox: a segment as large as the link's MTU
+/// (see `cordon_host::tun::MTU`) allows.
+const COPY_TOWARD_SANDBOX: usize = 64 << 10;
 /// Open TCP connections per sandbox; each holds at most [`TCP_READ_BUFFER`] of unread data,
 /// ipstack's [`MAX_UNACKED`] of data toward the sandbox and a copy buffer each way.
 pub(crate) const MAX_TCP_FLOWS: usize = 256;
@@ -51,6 +54,9 @@ where
     // 50 MB/s here; the sandbox's kernel is a fast, lossless peer, so keep more in flight.
     tcp_cfg.max_unacked_bytes = MAX_UNACKED;
     tcp_cfg.read_buffer_size = TCP_READ_BUFFER;
+    // Without an MSS in the SYN-ACK the sandbox's kernel sends 536-byte segments; the IPv6
+    // headers (60 bytes with TCP's) are the larger of the two.
+    tcp_cfg.options = Some(vec![TcpOptions::MaximumSegmentSize(mtu.saturating_sub(60))]);
     cfg.with_tcp_config(tcp_cfg);
     let mut stack = IpStack::new(cfg, device);
     loop {
@@ -324,13 +330,16 @@ pub(crate) async fn dial(targets: &[SocketAddr]) -> Result<TcpStream, String> {
 /// written is acknowledged and is not woken again when that happens (see [`close_toward`]).
 async fn splice(s: IpStackTcpStream, up: TcpStream) {
     let (mut sr, mut sw) = tokio::io::split(s);
-    let (mut ur, mut uw) = up.into_split();
+    let (ur, mut uw) = up.into_split();
     let out = async {
         let _ = tokio::io::copy(&mut sr, &mut uw).await;
         let _ = uw.shutdown().await;
     };
     let back = async {
-        let _ = tokio::io::copy(&mut ur, &mut sw).await;
+        // One read, one segment toward the sandbox: `copy`'s 8 KiB buffer would cut a download
+        // into 8 KiB segments whatever the link's MTU, and each segment costs the stack alike.
+        let mut ur = tokio::io::BufReader::with_capacity(COPY_TOWARD_SANDBOX, ur);
+        let _ = tokio::io::copy_buf(&mut ur, &mut sw).await;
         close_toward(&mut sw).await;
     };
     tokio::join!(out, back);

@@ -27,6 +27,7 @@
 //! `--cpus` ([`cpu`]), and its queues and connections are bounded per sandbox ([`forward`]'s
 //! budgets), so what a sandbox makes its forwarder do stays within what the sandbox was given.
 
+mod allocator;
 pub mod audit;
 pub mod ca;
 pub mod cpu;
@@ -159,6 +160,7 @@ impl Egress {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (ready_tx, ready) = std::sync::mpsc::channel();
         let (mtu, cpu, s) = (cfg.mtu, cfg.cpu, shared.clone());
+        allocator::keep_freed_memory();
         let thread = std::thread::Builder::new()
             .name("cordon-egress".into())
             .spawn(move || {

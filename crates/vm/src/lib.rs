@@ -533,8 +533,8 @@ const STATE_FD: i32 = 4;
 const MONITOR_FD: i32 = 5;
 const NET_FD: i32 = 6;
 
-/// Socket buffer of each end of the network link: room for about a hundred frames of the
-/// link's MTU in flight each way (the default, about 200 KiB, holds twenty).
+/// Socket buffer of each end of the network link: room for about sixteen frames of the link's
+/// MTU (64 KiB) in flight each way (the default, about 200 KiB, holds three).
 const NET_BUFFER: libc::c_int = 1 << 20;
 
 /// The network link's two ends, (host, VMM): a Unix datagram socket pair, one Ethernet frame

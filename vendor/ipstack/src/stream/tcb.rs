@@ -49,7 +49,11 @@ pub(crate) struct Tcb {
     ack: SeqNum,
     mtu: u16,
     last_received_ack: SeqNum,
-    send_window: u16,
+    /// cordon: in bytes, scaled (a u16 only when the peer offered no window scale).
+    send_window: u32,
+    /// cordon: the shift the peer's windows are scaled by (RFC 7323), set when its SYN offered
+    /// one; the SYN-ACK then offers a shift of 0, so that this side's windows stay as they are.
+    pub(crate) send_window_shift: Option<u8>,
     state: TcpState,
     inflight_packets: BTreeMap<SeqNum, InflightPacket>,
     unordered_packets: BTreeMap<SeqNum, Vec<u8>>,
@@ -88,7 +92,8 @@ impl Tcb {
             ack,
             mtu,
             last_received_ack: seq.into(),
-            send_window: u16::MAX,
+            send_window: u16::MAX as u32,
+            send_window_shift: None,
             state: TcpState::Listen,
             inflight_packets: BTreeMap::new(),
             unordered_packets: BTreeMap::new(),
@@ -210,10 +215,14 @@ impl Tcb {
     pub(super) fn get_state(&self) -> TcpState {
         self.state
     }
-    pub(super) fn update_send_window(&mut self, window: u16) {
-        self.send_window = window;
+    /// cordon: `window` as a segment other than a SYN carries it (a SYN's is never scaled).
+    pub(super) fn scaled_window(&self, window: u16) -> u32 {
+        (window as u32) << self.send_window_shift.unwrap_or(0)
     }
-    pub(super) fn get_send_window(&self) -> u16 {
+    pub(super) fn update_send_window(&mut self, window: u16) {
+        self.send_window = self.scaled_window(window);
+    }
+    pub(super) fn get_send_window(&self) -> u32 {
         self.send_window
     }
     pub(super) fn get_recv_window(&self) -> u16 {
@@ -247,7 +256,7 @@ impl Tcb {
                         PacketType::KeepAlive
                     } else if !payload.is_empty() {
                         PacketType::NewPacket
-                    } else if self.get_send_window() == rcvd_window && self.seq != rcvd_ack && self.is_duplicate_ack_count_exceeded() {
+                    } else if self.get_send_window() == self.scaled_window(rcvd_window) && self.seq != rcvd_ack && self.is_duplicate_ack_count_exceeded() {
                         PacketType::RetransmissionRequest
                     } else {
                         PacketType::WindowUpdate
@@ -337,10 +346,18 @@ impl Tcb {
         self.inflight_packets.values().collect::<Vec<_>>()
     }
 
+    /// cordon: bytes that may still be sent: the peer's window (and our in-flight limit) less
+    /// what is in flight. A segment that ends beyond the peer's window is dropped by Linux
+    /// (since 6.17), and each drop costs a retransmission timeout.
+    pub(crate) fn send_room(&self) -> usize {
+        let limit = self.max_unacked_bytes.min(self.get_send_window());
+        limit.saturating_sub(self.seq.distance(self.get_last_received_ack())) as usize
+    }
+
     pub fn is_send_buffer_full(&self) -> bool {
         // To respect the receiver's window (remote_window) size and avoid sending too many unacknowledged packets, which may cause packet loss
         // Simplified version: min(cwnd, rwnd)
-        self.seq.distance(self.get_last_received_ack()) >= self.max_unacked_bytes.min(self.get_send_window() as u32)
+        self.seq.distance(self.get_last_received_ack()) >= self.max_unacked_bytes.min(self.get_send_window())
     }
 }
 

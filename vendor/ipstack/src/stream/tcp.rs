@@ -62,6 +62,8 @@ pub struct TcpConfig {
 pub enum TcpOptions {
     /// Maximum segment size (MSS) for TCP connections.
     MaximumSegmentSize(u16),
+    /// cordon: window scale shift (RFC 7323), sent in a SYN-ACK when the peer's SYN had one.
+    WindowScale(u8),
 }
 
 impl Default for TcpConfig {
@@ -184,7 +186,7 @@ impl IpStackTcpStream {
         destroy_messenger: Option<::tokio::sync::oneshot::Sender<()>>,
         config: Arc<TcpConfig>,
     ) -> Result<IpStackTcpStream, IpStackError> {
-        let tcb = Tcb::new(
+        let mut tcb = Tcb::new(
             SeqNum(tcp.sequence_number),
             mtu,
             config.max_unacked_bytes,
@@ -193,6 +195,14 @@ impl IpStackTcpStream {
             config.rto,
             config.max_retransmit_count,
         );
+        // cordon: without window scaling a peer's window is at most 64 KiB, which is all that
+        // could be in flight toward it per round trip. RFC 7323 caps the shift at 14.
+        if tcp.syn {
+            tcb.send_window_shift = tcp.options_iterator().find_map(|o| match o {
+                Ok(etherparse::TcpOptionElement::WindowScale(shift)) => Some(shift.min(14)),
+                _ => None,
+            });
+        }
         let tuple = NetworkTuple::new(src_addr, dst_addr, true);
         if !tcp.syn {
             if !tcp.rst
@@ -369,6 +379,8 @@ impl AsyncWrite for IpStackTcpStream {
         }
 
         let sender = &self.up_packet_sender;
+        // cordon: no more than the peer's window has room for (see `Tcb::send_room`).
+        let buf = &buf[..buf.len().min(tcb.send_room())];
         let payload_len = write_packet_to_device(sender, nt, &tcb, None, ACK | PSH, None, Some(buf.to_vec()))?;
         tcb.add_inflight_packet(buf[..payload_len].to_vec())?;
 
@@ -558,11 +570,16 @@ async fn tcp_main_logic_loop(
         let (seq, ack) = (tcb.get_seq().0, tcb.get_ack().0);
         let l_info = format!("local {{ seq: {seq}, ack: {ack} }}");
         log::trace!("{network_tuple} {state:?}: {l_info} session begins");
+        // cordon: a shift of 0 agrees to scale the peer's windows and keeps this side's as is.
+        let mut options = config.options.clone().unwrap_or_default();
+        if tcb.send_window_shift.is_some() {
+            options.push(TcpOptions::WindowScale(0));
+        }
         write_packet_to_device(
             &up_packet_sender,
             network_tuple,
             &tcb,
-            config.options.as_ref(),
+            Some(&options),
             ACK | SYN,
             None,
             None,
@@ -931,7 +948,9 @@ async fn tcp_main_logic_loop(
         } // end of match state
 
         tcb.update_last_received_ack(incoming_ack);
-        tcb.update_send_window(incoming_win);
+        if !tcp_header.syn {
+            tcb.update_send_window(incoming_win);
+        }
     } // end of loop
     Ok::<(), std::io::Error>(())
 }
@@ -1026,6 +1045,7 @@ pub(crate) fn create_raw_packet(
         for opt in opts {
             match opt {
                 TcpOptions::MaximumSegmentSize(mss) => tcp_options.push(TcpOptionElement::MaximumSegmentSize(*mss)),
+                TcpOptions::WindowScale(shift) => tcp_options.push(TcpOptionElement::WindowScale(*shift)),
             }
         }
         tcp_header
