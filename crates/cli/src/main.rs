@@ -26,6 +26,7 @@ mod node;
 mod preflight;
 mod probe;
 mod progress;
+mod phases;
 mod ps;
 mod run;
 mod sd_notify;
@@ -116,6 +117,7 @@ pub fn usage(msg: impl Into<String>) -> anyhow::Error {
 }
 
 fn main() -> ExitCode {
+    phases::start();
     if cordon_vm::guest::is_guest_init() {
         cordon_vm::guest::main();
     }
@@ -174,6 +176,7 @@ fn main() -> ExitCode {
             Ok(0)
         }
     };
+    phases::print();
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {

@@ -210,6 +210,29 @@ fn a_killed_cordon_is_reaped_by_the_next_one_gvisor() {
 }
 
 #[test]
+fn cordon_trace_prints_each_phase_in_order_and_only_when_asked() {
+    let r = run_with_env(&[], &["true"], &[("CORDON_TRACE", "1")]);
+    assert_eq!(r.code, 0, "{r:?}");
+    let lines: Vec<&str> = r.stderr.lines().filter(|l| l.starts_with("cordon: trace ")).collect();
+    let phases = ["flags, image and tier checked", "sandbox created", "command ran through the agent", "stats read", "sandbox destroyed"];
+    assert_eq!(lines.len(), phases.len(), "{}", r.stderr);
+    let (mut last, mut steps) = (0.0, 0.0);
+    for (line, phase) in lines.iter().zip(phases) {
+        assert!(line.ends_with(phase), "{line:?} should name {phase:?}");
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (at, step): (f64, f64) = (f[2].parse().unwrap(), f[4].parse().unwrap());
+        assert!(at >= last, "phases out of order: {}", r.stderr);
+        last = at;
+        steps += step;
+    }
+    // Each step is the time since the one before, so the steps add up to the last mark.
+    assert!((steps - last).abs() < 0.05 * phases.len() as f64, "{}", r.stderr);
+    let plain = run(&[], &["true"]);
+    assert_eq!(plain.code, 0, "{plain:?}");
+    assert!(!plain.stderr.contains("cordon: trace"), "{}", plain.stderr);
+}
+
+#[test]
 fn bad_input_gets_one_line_and_exit_2() {
     require_root!();
     let cases: &[&[&str]] = &[

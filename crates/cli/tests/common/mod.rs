@@ -165,7 +165,7 @@ pub fn cordon_bin() -> PathBuf {
 
 pub fn cordon() -> Command {
     let mut c = Command::new(cordon_bin());
-    c.env("CORDON_HOME", state_dir()).env_remove("RUST_LOG");
+    c.env("CORDON_HOME", state_dir()).env_remove("RUST_LOG").env_remove("CORDON_TRACE");
     c
 }
 
