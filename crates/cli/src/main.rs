@@ -26,7 +26,6 @@ mod node;
 mod preflight;
 mod probe;
 mod progress;
-mod phases;
 mod ps;
 mod run;
 mod sd_notify;
@@ -117,7 +116,7 @@ pub fn usage(msg: impl Into<String>) -> anyhow::Error {
 }
 
 fn main() -> ExitCode {
-    phases::start();
+    cordon_sandbox::trace::start();
     if cordon_vm::guest::is_guest_init() {
         cordon_vm::guest::main();
     }
@@ -176,7 +175,7 @@ fn main() -> ExitCode {
             Ok(0)
         }
     };
-    phases::print();
+    cordon_sandbox::trace::print();
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {

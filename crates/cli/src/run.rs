@@ -192,11 +192,11 @@ pub fn main(state: &State, a: RunArgs) -> Result<u8> {
     let backend = open_tier(state, &plan)?;
     let command = image_defaults(state, &a, &mut plan.spec)?;
     let rt = runtime(&plan.spec)?;
-    crate::phases::mark("flags, image and tier checked");
+    cordon_sandbox::trace::mark("flags, image and tier checked");
     let started = Instant::now();
     let sandbox = create_sandbox(&rt, backend.as_ref(), &plan.spec)?;
     tracing::debug!(elapsed = ?started.elapsed(), "sandbox created");
-    crate::phases::mark("sandbox created");
+    cordon_sandbox::trace::mark("sandbox created");
     let end = run_and_destroy(rt, sandbox, &plan, &command, started, a.report);
 
     let spec = &plan.spec;
@@ -342,7 +342,7 @@ fn run_and_destroy(rt: tokio::runtime::Runtime, mut sandbox: Box<dyn Sandbox>, p
     let outcome = rt.block_on(drive(sandbox.as_ref(), &plan.spec, cmd, &plan.copies));
     let blocked = sandbox.blocked();
     tracing::debug!(elapsed = ?started.elapsed(), "command ended");
-    crate::phases::mark("command ran through the agent");
+    cordon_sandbox::trace::mark("command ran through the agent");
     // A VM's count comes from its guest, a round trip through the agent: asked only when the
     // command was killed.
     let killed = matches!(outcome, Ok(Ended::Signaled(9) | Ended::Died));
@@ -357,14 +357,14 @@ fn run_and_destroy(rt: tokio::runtime::Runtime, mut sandbox: Box<dyn Sandbox>, p
         cpu_usec: sandbox.cpu_usage_usec(),
         report: report.then(|| cordon_sandbox::report::report(&plan.spec.id, plan.spec.tier, sandbox.as_ref(), &plan.spec.network)),
     };
-    crate::phases::mark("stats read");
+    cordon_sandbox::trace::mark("stats read");
     let teardown = sandbox.destroy();
     // Flows still open belonged to the sandbox just destroyed: do not wait for them (ipstack
     // streams block in their destructors until their session tasks end).
     rt.shutdown_background();
     let duration = started.elapsed();
     tracing::debug!(elapsed = ?duration, "sandbox destroyed");
-    crate::phases::mark("sandbox destroyed");
+    cordon_sandbox::trace::mark("sandbox destroyed");
     End { outcome, stats, teardown, duration }
 }
 

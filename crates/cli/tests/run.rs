@@ -214,7 +214,16 @@ fn cordon_trace_prints_each_phase_in_order_and_only_when_asked() {
     let r = run_with_env(&[], &["true"], &[("CORDON_TRACE", "1")]);
     assert_eq!(r.code, 0, "{r:?}");
     let lines: Vec<&str> = r.stderr.lines().filter(|l| l.starts_with("cordon: trace ")).collect();
-    let phases = ["flags, image and tier checked", "sandbox created", "command ran through the agent", "stats read", "sandbox destroyed"];
+    let phases = [
+        "flags, image and tier checked",
+        "ns: run directory, writable layer and record",
+        "ns: cgroups made",
+        "ns: jailer answered (its exec included)",
+        "sandbox created",
+        "command ran through the agent",
+        "stats read",
+        "sandbox destroyed",
+    ];
     assert_eq!(lines.len(), phases.len(), "{}", r.stderr);
     let (mut last, mut steps) = (0.0, 0.0);
     for (line, phase) in lines.iter().zip(phases) {
@@ -227,6 +236,9 @@ fn cordon_trace_prints_each_phase_in_order_and_only_when_asked() {
     }
     // Each step is the time since the one before, so the steps add up to the last mark.
     assert!((steps - last).abs() < 0.05 * phases.len() as f64, "{}", r.stderr);
+    // The jailer's own steps, on its clock, come after the table.
+    let jailer = r.stderr.lines().find(|l| l.starts_with("cordon: trace: the jailer")).unwrap_or_else(|| panic!("{}", r.stderr));
+    assert!(jailer.contains("cgroups joined") && jailer.contains("agent exec'd"), "{jailer}");
     let plain = run(&[], &["true"]);
     assert_eq!(plain.code, 0, "{plain:?}");
     assert!(!plain.stderr.contains("cordon: trace"), "{}", plain.stderr);

@@ -202,7 +202,9 @@ impl Jail {
             }
         };
         sb.write_record()?;
+        cordon_sandbox::trace::mark("ns: run directory, writable layer and record");
         sb.cgroup.create(&cfg.limits).map_err(io_err("create cgroups"))?;
+        cordon_sandbox::trace::mark("ns: cgroups made");
 
         let jcfg = jailer::JailerConfig {
             id: cfg.id.clone(),
@@ -226,6 +228,7 @@ impl Jail {
             egress_ca: cfg.egress_ca.clone(),
         };
         let (reply, taken) = jailer::spawn(&self.exe, &jcfg).map_err(io_err("run jailer"))?;
+        cordon_sandbox::trace::mark("ns: jailer answered (its exec included)");
         sb.tun = taken.tun;
         if let Some(l) = taken.listener {
             sb.audit = Some(audit::supervise(l, &cfg.id).map_err(io_err("start audit thread"))?);
@@ -234,6 +237,10 @@ impl Jail {
             jailer::JailerReply::Failed { error } => Err(JailError::Setup(error)),
             jailer::JailerReply::Ready { pid, phases, landlock, .. } => {
                 tracing::debug!(id = %cfg.id, ?phases, ?landlock, "jailer done (µs since jailer start)");
+                if cordon_sandbox::trace::enabled() {
+                    let steps: Vec<String> = phases.iter().map(|(name, us)| format!("{name} {:.2}", *us as f64 / 1e3)).collect();
+                    cordon_sandbox::trace::note(format!("the jailer, in ms from its own start: {}", steps.join(", ")));
+                }
                 sb.landlock = landlock;
                 sb.pid = pid;
                 sb.pidfd = Some(sys::pidfd_open(pid).map_err(io_err("pidfd_open sandbox init"))?);

@@ -33,6 +33,7 @@ pub mod lifecycle;
 pub mod report;
 mod sandbox;
 pub mod served;
+pub mod trace;
 mod tiers;
 
 pub use backend::{Backend, Capabilities, Host};
