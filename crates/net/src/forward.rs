@@ -22,9 +22,13 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// follows what is left of this (see vendor/ipstack), so a destination that does not read
 /// stops the sandbox's sender instead of growing the forwarder.
 const TCP_READ_BUFFER: usize = 1 << 16;
-/// The copy buffer from a destination toward the sandbox: a segment as large as the link's MTU
-/// (see `cordon_host::tun::MTU`) allows.
-const COPY_TOWARD_SANDBOX: usize = 64 << 10;
+/// IP and TCP headers of a segment at most (IPv6's 40 and TCP's 20, options aside): the MSS is
+/// the MTU less these, for either family.
+const TCP_IP_HEADERS: u16 = 60;
+/// The copy buffer from a destination toward the sandbox: one MSS of the link every tier uses
+/// (`cordon_host::tun::MTU`), so that a full read goes out as one segment and not as one and a
+/// sliver.
+const COPY_TOWARD_SANDBOX: usize = (cordon_host::tun::MTU - TCP_IP_HEADERS) as usize;
 /// Open TCP connections per sandbox; each holds at most [`TCP_READ_BUFFER`] of unread data,
 /// ipstack's [`MAX_UNACKED`] of data toward the sandbox and a copy buffer each way.
 pub(crate) const MAX_TCP_FLOWS: usize = 256;
@@ -54,9 +58,8 @@ where
     // 50 MB/s here; the sandbox's kernel is a fast, lossless peer, so keep more in flight.
     tcp_cfg.max_unacked_bytes = MAX_UNACKED;
     tcp_cfg.read_buffer_size = TCP_READ_BUFFER;
-    // Without an MSS in the SYN-ACK the sandbox's kernel sends 536-byte segments; the IPv6
-    // headers (60 bytes with TCP's) are the larger of the two.
-    tcp_cfg.options = Some(vec![TcpOptions::MaximumSegmentSize(mtu.saturating_sub(60))]);
+    // Without an MSS in the SYN-ACK the sandbox's kernel sends 536-byte segments.
+    tcp_cfg.options = Some(vec![TcpOptions::MaximumSegmentSize(mtu.saturating_sub(TCP_IP_HEADERS))]);
     cfg.with_tcp_config(tcp_cfg);
     let mut stack = IpStack::new(cfg, device);
     loop {
