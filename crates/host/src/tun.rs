@@ -23,8 +23,8 @@ pub const SANDBOX_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xc0, 0xd0, 0, 0, 0, 0, 0
 pub const GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xc0, 0xd0, 0, 0, 0, 0, 1);
 pub const PREFIX_V6: u8 = 64;
 /// Large frames cost the user-space stack less per byte, and the sandbox never sees a real link:
-/// near the largest IP packet, so that a read of 64 KiB from a destination is one segment toward
-/// the sandbox (the forwarder's copy buffer is as large).
+/// near the largest IP packet, so that a read of nearly 64 KiB from a destination is one segment
+/// toward the sandbox (the forwarder reads one MSS at a time).
 pub const MTU: u16 = 65000;
 
 /// The sandbox's /etc/resolv.conf: the gateway, where the forwarder answers DNS.
