@@ -158,8 +158,15 @@ async fn serve(api: &Arc<VolumeApi>, method: &Method, rest: &str, req: Request<I
             download(file, lease)
         }
         (&Method::PUT, "file") => {
-            let file = run(move || root.create_file(&o.path, o.meta, o.force)).await?;
-            stat(StatusCode::CREATED, upload(file, req.into_body()).await?)
+            let mut body = req.into_body();
+            let file = match run(move || root.create_file(&o.path, o.meta, o.force)).await {
+                Ok(f) => f,
+                Err(f) => {
+                    drain(&mut body).await;
+                    return Err(f);
+                }
+            };
+            stat(StatusCode::CREATED, upload(file, body).await?)
         }
         _ => return Err(Failure::new(StatusCode::NOT_FOUND, "not_found", format!("no content endpoint {method} /volumecontent/{rest}"))),
     })
@@ -200,6 +207,28 @@ fn download(mut file: std::fs::File, lease: cordon_volume::Lease) -> Response<Bo
 
 /// Writes a request body into a new file as it arrives; the file appears (by rename) only
 /// once the whole body is in. A client that goes away leaves nothing behind.
+/// Most of a refused upload's body read (and dropped) before the refusal is sent, and for how
+/// long at most.
+const DRAIN_LIMIT: u64 = 64 << 20;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Reads what is left of a refused upload's body, up to a bound, before the refusal goes out. A
+/// client still writing its body when the answer comes may never read it (its write fails with
+/// a broken pipe, and that is all its user sees), and one that pools connections may send its
+/// next request down the one the server is closing. Past the bound the connection is closed.
+async fn drain(body: &mut Incoming) {
+    let mut read = 0u64;
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        while read <= DRAIN_LIMIT {
+            match body.frame().await {
+                Some(Ok(f)) => read += f.data_ref().map_or(0, |d| d.len() as u64),
+                _ => break,
+            }
+        }
+    })
+    .await;
+}
+
 async fn upload(mut file: cordon_volume::content::NewFile, mut body: Incoming) -> Result<Entry, Failure> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Option<Bytes>>(4);
     let writer = tokio::task::spawn_blocking(move || -> Result<Option<Entry>, ContentError> {
@@ -217,7 +246,9 @@ async fn upload(mut file: cordon_volume::content::NewFile, mut body: Incoming) -
             Ok(f) => {
                 if let Ok(data) = f.into_data() {
                     if tx.send(Some(data)).await.is_err() {
-                        break; // the writer stopped on an error, returned below
+                        // The writer stopped on an error, returned below once the body is read.
+                        drain(&mut body).await;
+                        break;
                     }
                 }
             }
