@@ -205,11 +205,9 @@ fn download(mut file: std::fs::File, lease: cordon_volume::Lease) -> Response<Bo
     r
 }
 
-/// Writes a request body into a new file as it arrives; the file appears (by rename) only
-/// once the whole body is in. A client that goes away leaves nothing behind.
-/// Most of a refused upload's body read (and dropped) before the refusal is sent, and for how
-/// long at most.
+/// Most of a refused upload's body read (and dropped) before the refusal is sent.
 const DRAIN_LIMIT: u64 = 64 << 20;
+/// How long that reading may take at most.
 const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Reads what is left of a refused upload's body, up to a bound, before the refusal goes out. A
@@ -229,6 +227,8 @@ async fn drain(body: &mut Incoming) {
     .await;
 }
 
+/// Writes a request body into a new file as it arrives; the file appears (by rename) only
+/// once the whole body is in. A client that goes away leaves nothing behind.
 async fn upload(mut file: cordon_volume::content::NewFile, mut body: Incoming) -> Result<Entry, Failure> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Option<Bytes>>(4);
     let writer = tokio::task::spawn_blocking(move || -> Result<Option<Entry>, ContentError> {
